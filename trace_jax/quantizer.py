@@ -1,0 +1,186 @@
+"""The rollout-guided FP4 fake-quantizer (a custom_vjp) and the guidance it consumes.
+
+The rollout engine quantizes an activation with round-to-nearest (RTN) and records, per
+element, which E2M1 codeword it used. The trainer's QAT forward then rounds *its own*
+activation, divided by the (rollout's) block scale, to whichever of its two E2M1 neighbours
+agrees with the rollout (SPEC section 2), instead of to the nearest. Adjacent E2M1 grid points
+always differ in the mantissa bit, so one bit per element is enough to pick the neighbour:
+
+  form              what the rollout ships per element            bits/element (NVFP4)
+  'mantissa'        mantissa bit                                   1
+  'mantissa_scale'  mantissa bit + the rollout's block scales      1.5
+  'full'            full 4-bit code + block scales (diagnostics)   4.5
+
+Backward: straight-through; with `clip_gradient=True` the gradient is zeroed where the
+input, divided by its scale, lay beyond the representable +/-6.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax import fp4
+
+GuidanceForm = Literal["mantissa", "mantissa_scale", "full"]
+GUIDANCE_FORMS = ("mantissa", "mantissa_scale", "full")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Guidance:
+  """What the rollout recorded for one quantized tensor. Unused fields are None.
+
+  mantissa_bits: uint8 [..., K/8], the rollout code's mantissa bit, 8 elements per byte.
+  codes:         uint8 [..., K/2], full rollout codes (two per byte), for 'full' guidance.
+  scales:        [..., K/block] the rollout's block scales; None = trainer computes its own.
+  tensor_scale:  float32 scalar, the rollout's NVFP4 second-level scale, if it used one.
+  """
+
+  mantissa_bits: jax.Array | None = None
+  codes: jax.Array | None = None
+  scales: jax.Array | None = None
+  tensor_scale: jax.Array | None = None
+
+  @property
+  def nbytes(self) -> int:
+    leaves = jax.tree_util.tree_leaves(self)
+    return int(sum(leaf.size * leaf.dtype.itemsize for leaf in leaves))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantStats:
+  """Agreement between the trainer's codes and the rollout's, for one tensor.
+
+  matches counts elements whose code equals the rollout's (by value, so +0 == -0; with
+  mantissa-only guidance, whose mantissa bit equals the rollout's). With guidance off,
+  `matches == 0` and `total == 0`.
+  """
+
+  matches: jax.Array  # int32 scalar
+  total: jax.Array  # int32 scalar
+
+
+def guidance_from_quantized(q: fp4.QuantizedArray, form: GuidanceForm = "mantissa_scale") -> Guidance:
+  """The rollout side: what to cache for the trainer, from the rollout's RTN quantization."""
+  if form not in GUIDANCE_FORMS:
+    raise ValueError(f"Unknown guidance form {form!r}: expected one of {GUIDANCE_FORMS}.")
+  if form == "full":
+    return Guidance(codes=q.codes, scales=q.scales, tensor_scale=q.tensor_scale)
+  bits = fp4.pack_bits(fp4.mantissa_bit(fp4.unpack_nibbles(q.codes)))
+  if form == "mantissa":
+    return Guidance(mantissa_bits=bits)
+  return Guidance(mantissa_bits=bits, scales=q.scales, tensor_scale=q.tensor_scale)
+
+
+def make_guidance(x: jax.Array, fmt="nvfp4", form: GuidanceForm = "mantissa_scale", *, tensor_amax=None):
+  """Quantize `x` with RTN as the rollout does; returns (guidance, quantized array)."""
+  q = fp4.quantize(x, fmt, tensor_amax=tensor_amax)
+  return guidance_from_quantized(q, form), q
+
+
+def _round(x: jax.Array, fmt: fp4.Fp4Format, guidance: Guidance | None, tensor_amax, guided: bool):
+  """Forward of the fake-quantizer along the last axis.
+
+  Returns (dequantized float32, in_range mask, QuantStats, unpacked codes).
+  """
+  fp4.check_blocks(x.shape, fmt, "fake_quant")
+  blocks = fp4.to_blocks(x.astype(jnp.float32), fmt)
+  g = guidance if guidance is not None else Guidance()
+  if g.scales is not None:
+    if g.scales.shape != blocks.shape[:-1]:
+      raise ValueError(
+        f"guidance.scales has shape {g.scales.shape} but an input of shape {x.shape} in {fmt.name} "
+        f"needs {blocks.shape[:-1]}: guidance must be laid out like the tensor it guides."
+      )
+    scales, tensor_scale = g.scales, g.tensor_scale
+    reciprocal = fp4.reciprocal_from_scales(scales, fmt, tensor_scale)
+  else:
+    tensor_scale = None if tensor_amax is None else fp4.tensor_scale_from_amax(tensor_amax)
+    scales, reciprocal = fp4.compute_scales(blocks, fmt, tensor_scale)
+  scaled = blocks * reciprocal[..., None]
+  sign, lo, hi = fp4.neighbors(scaled)
+  rtn = fp4.round_to_nearest_index(scaled, lo, hi)
+
+  matches = total = jnp.zeros((), jnp.int32)
+  if g.codes is not None:
+    rollout = fp4.to_blocks(fp4.unpack_nibbles(g.codes), fmt)
+    r_mag, r_sign = rollout & 7, rollout >> 3
+    # The rollout value is on our side of zero (or zero): take the neighbour nearest to it.
+    # On the other side: the neighbour nearer zero is the nearer one.
+    toward_rollout = jnp.where(((r_sign == sign) | (r_mag == 0)) & (r_mag >= hi), hi, lo)
+    index = toward_rollout if guided else rtn
+    matches = jnp.sum((fp4.magnitude_value(index) == fp4.magnitude_value(r_mag)) & ((index == 0) | (r_sign == sign)))
+    total = jnp.asarray(rollout.size, jnp.int32)
+  elif g.mantissa_bits is not None:
+    bits = fp4.to_blocks(fp4.unpack_bits(g.mantissa_bits), fmt)
+    index = jnp.where((lo & 1) == bits, lo, hi) if guided else rtn
+    matches = jnp.sum((index & 1) == bits)
+    total = jnp.asarray(bits.size, jnp.int32)
+  else:
+    index = rtn
+  codes = fp4.encode(sign, index, scaled)
+  values = fp4.e2m1_to_float(codes) * fp4.dequant_scales(scales, tensor_scale)[..., None]
+  in_range = jnp.abs(scaled) <= fp4.E2M1_MAX
+  stats = QuantStats(matches.astype(jnp.int32), total)
+  return values.reshape(x.shape), in_range.reshape(x.shape), stats, codes.reshape(x.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 4, 5))
+def _fake_quant(x, fmt, guidance, tensor_amax, guided, clip_gradient):
+  values, _, stats, _ = _round(x, fmt, guidance, tensor_amax, guided)
+  return values.astype(x.dtype), stats
+
+
+def _fake_quant_fwd(x, fmt, guidance, tensor_amax, guided, clip_gradient):
+  values, in_range, stats, _ = _round(x, fmt, guidance, tensor_amax, guided)
+  return (values.astype(x.dtype), stats), (in_range if clip_gradient else None, guidance, tensor_amax)
+
+
+def _fake_quant_bwd(fmt, guided, clip_gradient, residuals, cotangents):
+  in_range, guidance, tensor_amax = residuals
+  dy, _ = cotangents
+  dx = jnp.where(in_range, dy, jnp.zeros_like(dy)) if clip_gradient else dy
+  no_grad = lambda t: jax.tree_util.tree_map(jnp.zeros_like, t)  # noqa: E731  (integer leaves)
+  return dx, no_grad(guidance), no_grad(tensor_amax)
+
+
+_fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd)
+
+
+def fake_quant(
+  x: jax.Array,
+  fmt: str | fp4.Fp4Format = "nvfp4",
+  guidance: Guidance | None = None,
+  *,
+  tensor_amax: jax.Array | None = None,
+  guided: bool = True,
+  clip_gradient: bool = False,
+  axis: int = -1,
+) -> tuple[jax.Array, QuantStats]:
+  """FP4 fake-quantization of `x` with blocks along `axis`; returns (values in x.dtype, stats).
+
+  guidance=None: round to nearest (vanilla QAT). With guidance and `guided=True`: TRACE's
+  guided rounding; with `guided=False` the rounding is RTN and the guidance is only used to
+  measure agreement (the `qat` mode's diagnostics). `tensor_amax` turns on two-level NVFP4
+  scaling when the guidance carries no scales. Works under jit, vmap and grad.
+  """
+  fmt = fp4.get_format(fmt)
+  if axis not in (-1, x.ndim - 1):
+    values, stats = fake_quant(
+      jnp.moveaxis(x, axis, -1), fmt, guidance, tensor_amax=tensor_amax, guided=guided, clip_gradient=clip_gradient
+    )
+    return jnp.moveaxis(values, -1, axis), stats
+  if tensor_amax is not None:
+    tensor_amax = jax.lax.stop_gradient(jnp.asarray(tensor_amax, jnp.float32))
+  return _fake_quant(x, fmt, guidance, tensor_amax, guided, clip_gradient)
+
+
+def fake_quant_codes(x, fmt="nvfp4", guidance: Guidance | None = None, *, tensor_amax=None, guided: bool = True):
+  """Unpacked codes [.., K] the fake-quantizer picks (no gradient; for tests and metrics)."""
+  return _round(x, fp4.get_format(fmt), guidance, tensor_amax, guided)[3]
