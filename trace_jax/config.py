@@ -1,0 +1,169 @@
+"""Validated, frozen configs built from ml_collections ConfigDicts.
+
+`configs/*.py` hold the user-facing `get_config()` files; this module turns their sections
+into frozen dataclasses (hashable, so they can be static jit arguments) and rejects
+inconsistent settings with an error that names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from trace_jax import fp4
+
+
+class ConfigError(ValueError):
+  """An inconsistent or unknown configuration value."""
+
+
+def _fail(field: str, message: str):
+  raise ConfigError(f"config.{field}: {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A Qwen3-MoE-family decoder (also covers Qwen2-MoE shared experts and Mixtral)."""
+
+  vocab_size: int
+  hidden_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  num_experts: int
+  num_experts_per_tok: int
+  moe_intermediate_size: int
+  intermediate_size: int = 0  # dense MLP layers (mlp_only_layers / decoder_sparse_step)
+  shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen3-MoE); >0: Qwen2-MoE style
+  norm_topk_prob: bool = True
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  qk_norm: bool = True  # Qwen3: RMSNorm on q and k per head; Mixtral: off
+  rope_theta: float = 1_000_000.0
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  router_aux_loss_coef: float = 0.001
+  max_position_embeddings: int = 32768
+  initializer_range: float = 0.02
+
+  def __post_init__(self):
+    positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+    for name in positive:
+      if getattr(self, name) <= 0:
+        _fail(f"model.{name}", f"must be positive, got {getattr(self, name)}.")
+    if self.num_heads % self.num_kv_heads:
+      _fail(
+        "model.num_heads",
+        f"{self.num_heads} query heads cannot be grouped over {self.num_kv_heads} kv heads; "
+        "num_heads must be a multiple of num_kv_heads.",
+      )
+    if self.head_dim % 2:
+      _fail("model.head_dim", f"RoPE needs an even head_dim, got {self.head_dim}.")
+    if self.num_experts < 0 or self.num_experts_per_tok < 0:
+      _fail("model.num_experts", "num_experts and num_experts_per_tok must be >= 0.")
+    if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+      _fail(
+        "model.num_experts_per_tok",
+        f"top-k = {self.num_experts_per_tok} must lie in [1, num_experts = {self.num_experts}].",
+      )
+    if self.num_experts and self.moe_intermediate_size <= 0:
+      _fail("model.moe_intermediate_size", "must be positive when num_experts > 0.")
+    if self.decoder_sparse_step < 1:
+      _fail("model.decoder_sparse_step", f"must be >= 1, got {self.decoder_sparse_step}.")
+    bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+    if bad:
+      _fail("model.mlp_only_layers", f"layers {bad} are outside [0, num_layers = {self.num_layers}).")
+    if any(not self.is_moe_layer(i) for i in range(self.num_layers)) and self.intermediate_size <= 0:
+      _fail(
+        "model.intermediate_size", "dense MLP layers exist (mlp_only_layers / decoder_sparse_step), so it must be > 0."
+      )
+
+  def is_moe_layer(self, layer: int) -> bool:
+    """The Qwen-MoE rule for which layers are sparse."""
+    return self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+  @property
+  def moe_layers(self) -> tuple[int, ...]:
+    return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+
+# Where FP4 fake-quant / FP4 storage applies (SPEC section 2.5); the rest stays BF16.
+QUANT_TARGETS = ("experts", "kv", "attention", "dense_mlp", "shared_expert")
+# Activation tensors that the rollout records guidance for, per layer.
+GUIDED_TENSORS = ("moe_input", "moe_hidden", "key", "value")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+  """What the trainer fake-quantizes and the rollout stores in FP4.
+
+  targets: subset of QUANT_TARGETS. `experts` = routed-expert matmuls (weights and, when
+  `activations`, their inputs); `kv` = K/V as stored in the KV cache.
+  weights / activations: W4 and A4 switches (quads = weights only).
+  """
+
+  fmt: str = "nvfp4"
+  targets: tuple[str, ...] = ("experts", "kv")
+  weights: bool = True
+  activations: bool = True
+  clip_gradient: bool = False
+
+  def __post_init__(self):
+    try:
+      fp4.get_format(self.fmt)
+    except ValueError as e:
+      _fail("quant.fmt", str(e))
+    unknown = sorted(set(self.targets) - set(QUANT_TARGETS))
+    if unknown:
+      _fail("quant.targets", f"unknown targets {unknown}; expected a subset of {QUANT_TARGETS}.")
+
+  @property
+  def format(self) -> fp4.Fp4Format:
+    return fp4.get_format(self.fmt)
+
+  def quantizes(self, target: str) -> bool:
+    return target in self.targets
+
+  def check_dims(self, model: ModelConfig):
+    """Every quantized contraction axis must be a whole number of blocks."""
+    block = self.format.block_size
+    dims = {}
+    if "experts" in self.targets:
+      dims.update(hidden_size=model.hidden_size, moe_intermediate_size=model.moe_intermediate_size)
+    if "kv" in self.targets:
+      dims["head_dim"] = model.head_dim
+    if "attention" in self.targets:
+      dims.update(hidden_size=model.hidden_size, head_dim=model.head_dim)
+    if "dense_mlp" in self.targets:
+      dims.update(hidden_size=model.hidden_size, intermediate_size=model.intermediate_size)
+    if "shared_expert" in self.targets:
+      dims.update(hidden_size=model.hidden_size, shared_expert_intermediate_size=model.shared_expert_intermediate_size)
+    for name, d in dims.items():
+      if d % block:
+        _fail(f"model.{name}", f"{d} is not a multiple of the {self.fmt} block size {block}; FP4 needs whole blocks.")
+
+
+def _from_mapping(cls, section: Mapping[str, Any] | Any, prefix: str):
+  data = dict(section.to_dict() if hasattr(section, "to_dict") else section)
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(data) - names)
+  if unknown:
+    _fail(f"{prefix}.{unknown[0]}", f"unknown field; {cls.__name__} has {sorted(names)}.")
+  for key, value in data.items():
+    if isinstance(value, list):
+      data[key] = tuple(value)
+  try:
+    return cls(**data)
+  except TypeError as e:
+    raise ConfigError(f"config.{prefix}: {e}") from None
+
+
+def model_config(section) -> ModelConfig:
+  """ModelConfig from the `model` section of a ConfigDict (or a plain dict)."""
+  return _from_mapping(ModelConfig, section, "model")
+
+
+def quant_config(section) -> QuantConfig:
+  return _from_mapping(QuantConfig, section, "quant")

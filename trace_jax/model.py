@@ -1,0 +1,209 @@
+"""The trainer's model: a Qwen3-MoE-family decoder as pure functions over parameter pytrees.
+
+`forward` is the teacher-forced full-sequence pass used for QAT, log-probs and gradients:
+fp32 master parameters, bf16 matmuls with fp32 accumulation, fp32 norms and softmax (the
+numerics of a trainer; the rollout engine in rollout.py computes as an inference engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax import attention, moe, qat
+from trace_jax.config import ModelConfig
+from trace_jax.moe import MLPParams, MoEParams
+from trace_jax.quantizer import Guidance, QuantStats
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionParams:
+  """q [H, nh, D], k/v [H, nkv, D], o [nh, D, H]; q_norm/k_norm [D] (None without QK-norm)."""
+
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  o: jax.Array
+  q_norm: jax.Array | None = None
+  k_norm: jax.Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerParams:
+  input_norm: jax.Array
+  attn: AttentionParams
+  post_attn_norm: jax.Array
+  mlp: MoEParams | MLPParams
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Params:
+  embed: jax.Array  # [V, H]
+  layers: tuple[LayerParams, ...]
+  final_norm: jax.Array  # [H]
+  lm_head: jax.Array | None  # [H, V]; None when tied to embed
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardAux:
+  """Per-layer outputs. Tuples have one entry per layer (None where it does not apply)."""
+
+  router_logits: tuple[jax.Array | None, ...]  # [B, S, E] float32
+  topk_ids: tuple[jax.Array | None, ...]  # [B, S, k] int32
+  quant_stats: tuple[dict[str, QuantStats], ...]  # tensor -> matches/total over real tokens
+  aux_loss: jax.Array  # load-balancing loss (unscaled)
+
+
+def init_params(config: ModelConfig, rng: jax.Array, dtype=jnp.float32) -> Params:
+  """Normal(0, initializer_range) weights, unit norms, as Hugging Face initializes."""
+  c = config
+  keys = iter(jax.random.split(rng, 4 + 16 * c.num_layers))
+  normal = lambda *shape: (c.initializer_range * jax.random.normal(next(keys), shape)).astype(dtype)
+  ones = lambda n: jnp.ones((n,), dtype)
+
+  def mlp_params(inter):
+    return MLPParams(normal(c.hidden_size, inter), normal(c.hidden_size, inter), normal(inter, c.hidden_size))
+
+  layers = []
+  for i in range(c.num_layers):
+    attn = AttentionParams(
+      q=normal(c.hidden_size, c.num_heads, c.head_dim),
+      k=normal(c.hidden_size, c.num_kv_heads, c.head_dim),
+      v=normal(c.hidden_size, c.num_kv_heads, c.head_dim),
+      o=normal(c.num_heads, c.head_dim, c.hidden_size),
+      q_norm=ones(c.head_dim) if c.qk_norm else None,
+      k_norm=ones(c.head_dim) if c.qk_norm else None,
+    )
+    if c.is_moe_layer(i):
+      e, h, m = c.num_experts, c.hidden_size, c.moe_intermediate_size
+      shared = c.shared_expert_intermediate_size
+      mlp = MoEParams(
+        router=normal(h, e),
+        gate=normal(e, h, m),
+        up=normal(e, h, m),
+        down=normal(e, m, h),
+        shared=mlp_params(shared) if shared else None,
+        shared_gate=normal(h, 1) if shared else None,
+      )
+    else:
+      mlp = mlp_params(c.intermediate_size)
+    layers.append(LayerParams(ones(c.hidden_size), attn, ones(c.hidden_size), mlp))
+  return Params(
+    embed=normal(c.vocab_size, c.hidden_size),
+    layers=tuple(layers),
+    final_norm=ones(c.hidden_size),
+    lm_head=None if c.tie_word_embeddings else normal(c.hidden_size, c.vocab_size),
+  )
+
+
+def lm_head_weight(params: Params) -> jax.Array:
+  return params.embed.T if params.lm_head is None else params.lm_head
+
+
+def _masked_sum(stats: QuantStats, mask: jax.Array) -> QuantStats:
+  """Sum per-row counts [B, S, ...] over real tokens only (pads compute garbage on both sides)."""
+
+  def total(a):
+    m = mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim))
+    return jnp.sum(a * m.astype(a.dtype))
+
+  return jax.tree_util.tree_map(total, stats)
+
+
+def attention_block(p: AttentionParams, x, positions, mask, config: ModelConfig, ctx: qat.QatContext, guidance: dict):
+  """x [B, S, H] -> (out [B, S, H], stats). K/V are fake-quantized as the FP4 cache stores them."""
+  dt = ctx.compute_dtype
+  q_w, k_w, v_w, o_w = (ctx.weight(w, "attention") for w in (p.q, p.k, p.v, p.o))
+  xa = ctx.activation(x, "attention").astype(dt)
+  q = jnp.einsum("bsh,hnd->bsnd", xa, q_w.astype(dt), preferred_element_type=jnp.float32)
+  k = jnp.einsum("bsh,hnd->bsnd", xa, k_w.astype(dt), preferred_element_type=jnp.float32)
+  v = jnp.einsum("bsh,hnd->bsnd", xa, v_w.astype(dt), preferred_element_type=jnp.float32)
+  if p.q_norm is not None:
+    q = attention.rms_norm(q, p.q_norm, config.rms_norm_eps)
+    k = attention.rms_norm(k, p.k_norm, config.rms_norm_eps)
+  cos, sin = attention.rope_tables(positions, config.head_dim, config.rope_theta)
+  q, k = attention.apply_rope(q, cos, sin), attention.apply_rope(k, cos, sin)
+  k, k_stats = ctx.guided_activation(k.astype(dt), "kv", guidance.get("key"))
+  v, v_stats = ctx.guided_activation(v.astype(dt), "kv", guidance.get("value"))
+  out = attention.causal_attention(q, k, v, mask, scale=config.head_dim**-0.5, compute_dtype=dt)
+  out = ctx.activation(out.astype(dt), "attention")
+  out = jnp.einsum("bsnd,ndh->bsh", out.astype(dt), o_w.astype(dt), preferred_element_type=jnp.float32)
+  return out, {"key": k_stats, "value": v_stats}
+
+
+def forward(
+  params: Params,
+  tokens: jax.Array,
+  mask: jax.Array,
+  config: ModelConfig,
+  *,
+  positions: jax.Array | None = None,
+  ctx: qat.QatContext = qat.QatContext(),
+  guidance: tuple[dict[str, Guidance], ...] | None = None,
+  replay_ids: tuple[jax.Array | None, ...] | None = None,
+  moe_impl: str = "sorted",
+) -> tuple[jax.Array, ForwardAux]:
+  """Teacher-forced forward. tokens/mask [B, S] (left padding allowed) -> float32 logits [B, S, V].
+
+  guidance: per layer, a dict tensor name -> Guidance laid out by position
+    ('moe_input' [B, S, ...], 'moe_hidden' [B, S, k, ...], 'key'/'value' [B, S, KV, ...]);
+    a missing entry means RTN. replay_ids: per layer [B, S, k] expert ids to reuse (R3).
+  """
+  b, s = tokens.shape
+  dt = ctx.compute_dtype
+  if positions is None:
+    positions = attention.positions_from_mask(mask)
+  guidance = guidance if guidance is not None else ({},) * config.num_layers
+  replay_ids = replay_ids if replay_ids is not None else (None,) * config.num_layers
+  x = params.embed[tokens].astype(jnp.float32)  # fp32 residual stream
+  router_logits, topk_ids, layer_stats = [], [], []
+  for i, layer in enumerate(params.layers):
+    g = guidance[i] or {}
+    h = attention.rms_norm(x, layer.input_norm, config.rms_norm_eps).astype(dt)
+    attn_out, stats = attention_block(layer.attn, h, positions, mask, config, ctx, g)
+    x = x + attn_out
+    h = attention.rms_norm(x, layer.post_attn_norm, config.rms_norm_eps).astype(dt)
+    if isinstance(layer.mlp, MoEParams):
+      replay = None if replay_ids[i] is None else replay_ids[i].reshape(b * s, -1)
+      g_moe = {k: v for k, v in g.items() if k.startswith("moe_")}
+      out = moe.moe_block(layer.mlp, h.reshape(b * s, -1), config, ctx, g_moe, replay, impl=moe_impl)
+      x = x + out.out.reshape(b, s, -1)
+      router_logits.append(out.router_logits.reshape(b, s, -1))
+      topk_ids.append(out.topk_ids.reshape(b, s, -1))
+      stats.update(
+        {k: jax.tree_util.tree_map(lambda a: a.reshape(b, s, *a.shape[1:]), v) for k, v in out.stats.items()}
+      )
+    else:
+      x = x + moe.mlp(layer.mlp, h, ctx, "dense_mlp")
+      router_logits.append(None)
+      topk_ids.append(None)
+    layer_stats.append({k: _masked_sum(v, mask) for k, v in stats.items()})
+  x = attention.rms_norm(x, params.final_norm, config.rms_norm_eps)
+  logits = jnp.einsum(
+    "bsh,hv->bsv", x.astype(dt), lm_head_weight(params).astype(dt), preferred_element_type=jnp.float32
+  )
+
+  moe_logits = [r for r in router_logits if r is not None]
+  if moe_logits:
+    flat_mask = jnp.tile(mask.reshape(-1), len(moe_logits))
+    aux_loss = moe.load_balancing_loss(
+      jnp.concatenate([r.reshape(b * s, -1) for r in moe_logits]),
+      jnp.concatenate([t.reshape(b * s, -1) for t in topk_ids if t is not None]),
+      flat_mask,
+      config.num_experts,
+    )
+  else:
+    aux_loss = jnp.zeros((), jnp.float32)
+  return logits, ForwardAux(tuple(router_logits), tuple(topk_ids), tuple(layer_stats), aux_loss)
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """log p(targets) from logits [B, S, V] (float32)."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]

@@ -1,0 +1,145 @@
+"""The MoE block: softmax router with top-k, SwiGLU experts, optional shared expert.
+
+Expert compute has two implementations that agree (tests/test_model.py):
+  * 'sorted': sort the (token, slot) pairs by expert and run grouped matmuls
+    (`lax.ragged_dot`), the trainer's path;
+  * 'dense': every expert on every selected slot, picked with a one-hot; the reference.
+FP4 fake-quant hooks (W4A4 on the routed experts) go through `qat.fake_quant_rows`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax import qat
+from trace_jax.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MLPParams:
+  """SwiGLU MLP: down(silu(x @ gate) * (x @ up)). Shapes [H, I], [H, I], [I, H]."""
+
+  gate: jax.Array
+  up: jax.Array
+  down: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoEParams:
+  """Router [H, E]; routed experts gate/up [E, H, I], down [E, I, H]; optional shared expert."""
+
+  router: jax.Array
+  gate: jax.Array
+  up: jax.Array
+  down: jax.Array
+  shared: MLPParams | None = None
+  shared_gate: jax.Array | None = None  # [H, 1], sigmoid gate of the shared expert (Qwen2-MoE)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoEOutput:
+  out: jax.Array  # [T, H]
+  router_logits: jax.Array  # [T, E] float32
+  topk_ids: jax.Array  # [T, k] int32, in descending router probability
+  stats: dict  # tensor name -> qat.QuantStats (rows, unmasked)
+
+
+def dot(x, w, compute_dtype):
+  return jnp.dot(x.astype(compute_dtype), w.astype(compute_dtype), preferred_element_type=jnp.float32)
+
+
+def mlp(params: MLPParams, x, ctx: qat.QatContext, target: str):
+  """Dense SwiGLU MLP, W4A4 RTN fake-quant when `target` is quantized."""
+  dt = ctx.compute_dtype
+  gate, up, down = (ctx.weight(w, target) for w in (params.gate, params.up, params.down))
+  x = ctx.activation(x, target)
+  h = (jax.nn.silu(dot(x, gate, dt)) * dot(x, up, dt)).astype(dt)
+  return dot(ctx.activation(h, target), down, dt)
+
+
+def route(router_logits: jax.Array, config: ModelConfig, replay_ids: jax.Array | None):
+  """Top-k expert ids and their combine weights (float32) from router logits [T, E]."""
+  probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+  if replay_ids is None:
+    weights, ids = jax.lax.top_k(probs, config.num_experts_per_tok)
+  else:  # routing replay (R3): reuse the rollout's experts, weights from our own router
+    ids = replay_ids.astype(jnp.int32)
+    weights = jnp.take_along_axis(probs, ids, axis=-1)
+  if config.norm_topk_prob:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return ids.astype(jnp.int32), weights
+
+
+def moe_block(
+  params: MoEParams,
+  x: jax.Array,
+  config: ModelConfig,
+  ctx: qat.QatContext,
+  guidance: dict,
+  replay_ids: jax.Array | None = None,
+  impl: str = "sorted",
+) -> MoEOutput:
+  """x [T, H] -> MoEOutput. `guidance` maps 'moe_input' ([T] rows) and 'moe_hidden' ([T, k] rows)."""
+  dt = ctx.compute_dtype
+  t, k = x.shape[0], config.num_experts_per_tok
+  router_logits = dot(x, params.router, dt)
+  ids, weights = route(router_logits, config, replay_ids)
+
+  gate_w, up_w, down_w = (ctx.weight(w, "experts", axis=1) for w in (params.gate, params.up, params.down))
+  xq, stats_in = ctx.guided_activation(x, "experts", guidance.get("moe_input"))
+  stats = {"moe_input": stats_in}
+  g_hidden = guidance.get("moe_hidden")
+
+  if impl == "sorted":
+    flat_ids = ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)
+    group_sizes = jnp.bincount(flat_ids, length=config.num_experts).astype(jnp.int32)
+    xs = xq[order // k].astype(dt)
+    gate = jax.lax.ragged_dot(xs, gate_w.astype(dt), group_sizes, preferred_element_type=jnp.float32)
+    up = jax.lax.ragged_dot(xs, up_w.astype(dt), group_sizes, preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(gate) * up).astype(dt)
+    g_sorted = qat.take_rows(g_hidden, order, t * k)
+    hq, s_hidden = ctx.guided_activation(h, "experts", g_sorted)
+    y_sorted = jax.lax.ragged_dot(hq.astype(dt), down_w.astype(dt), group_sizes, preferred_element_type=jnp.float32)
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k))
+    s_hidden = jax.tree_util.tree_map(lambda a: a[inverse].reshape(t, k), s_hidden)
+  elif impl == "dense":
+    onehot = jax.nn.one_hot(ids, config.num_experts, dtype=jnp.float32)  # [T, k, E]
+    gate = jnp.einsum("th,ehi->tei", xq.astype(dt), gate_w.astype(dt), preferred_element_type=jnp.float32)
+    up = jnp.einsum("th,ehi->tei", xq.astype(dt), up_w.astype(dt), preferred_element_type=jnp.float32)
+    h_all = jax.nn.silu(gate) * up  # [T, E, I]
+    h = jnp.einsum("tke,tei->tki", onehot, h_all).astype(dt)  # exact: one-hot picks one expert
+    hq, s_hidden = ctx.guided_activation(h.reshape(t * k, -1), "experts", qat.flatten_rows(g_hidden, t * k))
+    s_hidden = jax.tree_util.tree_map(lambda a: a.reshape(t, k), s_hidden)
+    y_all = jnp.einsum("ti,eih->teh", hq.astype(dt), down_w.astype(dt), preferred_element_type=jnp.float32)
+    y = jnp.einsum("tke,tkeh->tkh", onehot, y_all.reshape(t, k, config.num_experts, -1))
+  else:
+    raise ValueError(f"Unknown MoE implementation {impl!r}: expected 'sorted' or 'dense'.")
+  stats["moe_hidden"] = s_hidden
+
+  out = jnp.sum(weights[..., None] * y, axis=1)
+  if params.shared is not None:
+    shared = mlp(params.shared, x, ctx, "shared_expert")
+    out = out + jax.nn.sigmoid(dot(x, params.shared_gate, dt)) * shared
+  return MoEOutput(out, router_logits, ids, stats)
+
+
+def load_balancing_loss(router_logits: jax.Array, topk_ids: jax.Array, mask: jax.Array, num_experts: int):
+  """Switch/HF auxiliary loss E * sum_e f_e * P_e over real tokens, for one layer.
+
+  router_logits [T, E], topk_ids [T, k], mask [T] (1 = real token).
+  """
+  mask = mask.astype(jnp.float32)
+  denom = jnp.maximum(jnp.sum(mask), 1.0)
+  probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+  routed = jax.nn.one_hot(topk_ids, num_experts, dtype=jnp.float32)  # [T, k, E]
+  tokens_per_expert = jnp.einsum("tke,t->ke", routed, mask) / denom
+  prob_per_expert = jnp.einsum("te,t->e", probs, mask) / denom
+  return num_experts * jnp.sum(tokens_per_expert * prob_per_expert[None, :])

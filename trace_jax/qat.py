@@ -1,0 +1,84 @@
+"""The trainer's QAT policy: which tensors get FP4 fake-quant, and with what guidance.
+
+`QatContext` is static (hashable) and travels through the model's forward; it applies
+`quantizer.fake_quant` to the configured targets (SPEC section 2.5): W4 on weights, A4 on
+activations (RTN, or rollout-guided for the guided tensors), K/V as stored in the FP4 cache.
+Guided tensors report per-row code agreement so the model can mask out padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.config import QuantConfig
+from trace_jax.quantizer import Guidance, QuantStats, fake_quant
+
+
+@dataclasses.dataclass(frozen=True)
+class QatContext:
+  """quant=None: plain BF16 trainer. guided=False: guidance (if any) is only measured."""
+
+  quant: QuantConfig | None = None
+  guided: bool = False
+  compute_dtype: type = jnp.bfloat16
+
+  def _on(self, target: str, kind: str) -> bool:
+    return self.quant is not None and self.quant.quantizes(target) and getattr(self.quant, kind)
+
+  def weight(self, w: jax.Array, target: str, axis: int = 0) -> jax.Array:
+    """W4 fake-quant with blocks along the contraction `axis` (RTN: weights agree by construction)."""
+    if not self._on(target, "weights"):
+      return w
+    return fake_quant(w, self.quant.fmt, axis=axis, clip_gradient=self.quant.clip_gradient)[0]
+
+  def activation(self, x: jax.Array, target: str) -> jax.Array:
+    """A4 RTN fake-quant along the last axis (unguided targets)."""
+    if not self._on(target, "activations"):
+      return x
+    return fake_quant(x, self.quant.fmt, clip_gradient=self.quant.clip_gradient)[0]
+
+  def guided_activation(self, x: jax.Array, target: str, guidance: Guidance | None):
+    """Fake-quant x [..., K] row by row; returns (values, QuantStats with per-row counts [...]).
+
+    The 'kv' target ignores the `activations` switch: the FP4 KV cache is its own choice.
+    """
+    rows = x.shape[:-1]
+    zeros = QuantStats(jnp.zeros(rows, jnp.int32), jnp.zeros(rows, jnp.int32))
+    enabled = self.quant is not None and self.quant.quantizes(target) and (target == "kv" or self.quant.activations)
+    if not enabled:
+      return x, zeros
+    fmt, clip = self.quant.fmt, self.quant.clip_gradient
+    if guidance is None:
+      return fake_quant(x, fmt, clip_gradient=clip)[0], zeros
+    n = 1
+    for d in rows:
+      n *= d
+    g = flatten_rows(guidance, n)
+    axes = Guidance(**{k: None if v is None or v.ndim == 0 else 0 for k, v in vars(g).items()})
+    one = lambda xr, gr: fake_quant(xr, fmt, gr, guided=self.guided, clip_gradient=clip)
+    values, stats = jax.vmap(one, in_axes=(0, axes))(x.reshape(n, x.shape[-1]), g)
+    stats = jax.tree_util.tree_map(lambda a: a.reshape(rows), stats)
+    return values.reshape(x.shape), stats
+
+
+def _per_row_fields(g: Guidance):
+  return {f.name: getattr(g, f.name) for f in dataclasses.fields(g) if f.name != "tensor_scale"}
+
+
+def flatten_rows(g: Guidance | None, n: int) -> Guidance | None:
+  """Reshape every per-element field of the guidance to [n, -1] rows."""
+  if g is None:
+    return None
+  fields = {k: None if v is None else v.reshape(n, -1) for k, v in _per_row_fields(g).items()}
+  return dataclasses.replace(g, **fields)
+
+
+def take_rows(g: Guidance | None, index: jax.Array, n: int) -> Guidance | None:
+  """Rows of the guidance in a new order (the MoE block's sort by expert)."""
+  g = flatten_rows(g, n)
+  if g is None:
+    return None
+  return dataclasses.replace(g, **{k: None if v is None else v[index] for k, v in _per_row_fields(g).items()})
