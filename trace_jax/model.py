@@ -164,15 +164,15 @@ def forward(
   x = params.embed[tokens].astype(jnp.float32)  # fp32 residual stream
   router_logits, topk_ids, layer_stats = [], [], []
   for i, layer in enumerate(params.layers):
-    g = guidance[i] or {}
+    g, layer_ctx = guidance[i] or {}, ctx.for_layer(i)
     h = attention.rms_norm(x, layer.input_norm, config.rms_norm_eps).astype(dt)
-    attn_out, stats = attention_block(layer.attn, h, positions, mask, config, ctx, g)
+    attn_out, stats = attention_block(layer.attn, h, positions, mask, config, layer_ctx, g)
     x = x + attn_out
     h = attention.rms_norm(x, layer.post_attn_norm, config.rms_norm_eps).astype(dt)
     if isinstance(layer.mlp, MoEParams):
       replay = None if replay_ids[i] is None else replay_ids[i].reshape(b * s, -1)
       g_moe = {k: v for k, v in g.items() if k.startswith("moe_")}
-      out = moe.moe_block(layer.mlp, h.reshape(b * s, -1), config, ctx, g_moe, replay, impl=moe_impl)
+      out = moe.moe_block(layer.mlp, h.reshape(b * s, -1), config, layer_ctx, g_moe, replay, impl=moe_impl)
       x = x + out.out.reshape(b, s, -1)
       router_logits.append(out.router_logits.reshape(b, s, -1))
       topk_ids.append(out.topk_ids.reshape(b, s, -1))
@@ -180,7 +180,7 @@ def forward(
         {k: jax.tree_util.tree_map(lambda a: a.reshape(b, s, *a.shape[1:]), v) for k, v in out.stats.items()}
       )
     else:
-      x = x + moe.mlp(layer.mlp, h, ctx, "dense_mlp")
+      x = x + moe.mlp(layer.mlp, h, layer_ctx, "dense_mlp")
       router_logits.append(None)
       topk_ids.append(None)
     layer_stats.append({k: _masked_sum(v, mask) for k, v in stats.items()})

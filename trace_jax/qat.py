@@ -19,11 +19,20 @@ from trace_jax.quantizer import Guidance, QuantStats, fake_quant
 
 @dataclasses.dataclass(frozen=True)
 class QatContext:
-  """quant=None: plain BF16 trainer. guided=False: guidance (if any) is only measured."""
+  """quant=None: plain BF16 trainer. guided=False: guidance (if any) is only measured.
+
+  guided_layers: the layers whose guidance steers rounding when `guided` (None = all);
+  guidance given for other layers is only measured (per-layer agreement diagnostics).
+  """
 
   quant: QuantConfig | None = None
   guided: bool = False
   compute_dtype: type = jnp.bfloat16
+  guided_layers: tuple[int, ...] | None = None
+
+  def for_layer(self, layer: int) -> QatContext:
+    guided = self.guided and (self.guided_layers is None or layer in self.guided_layers)
+    return dataclasses.replace(self, guided=guided, guided_layers=None)
 
   def _on(self, target: str, kind: str) -> bool:
     return self.quant is not None and self.quant.quantizes(target) and getattr(self.quant, kind)
