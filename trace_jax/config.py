@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trace_jax import fp4
+from trace_jax.quantizer import GUIDANCE_FORMS
 
 
 class ConfigError(ValueError):
@@ -167,3 +168,61 @@ def model_config(section) -> ModelConfig:
 
 def quant_config(section) -> QuantConfig:
   return _from_mapping(QuantConfig, section, "quant")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How the rollout engine samples. temperature 0 = greedy; top_k 0 / top_p 1 = off."""
+
+  max_new_tokens: int = 16
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  eos_id: int = 2
+  pad_id: int = 0
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      _fail("sampling.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}.")
+    if self.temperature < 0:
+      _fail("sampling.temperature", f"must be >= 0 (0 = greedy), got {self.temperature}.")
+    if self.top_k < 0:
+      _fail("sampling.top_k", f"must be >= 0 (0 = off), got {self.top_k}.")
+    if not 0 < self.top_p <= 1:
+      _fail("sampling.top_p", f"must lie in (0, 1], got {self.top_p}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """The rollout engine: FP4 or BF16, and what it records for the trainer.
+
+  quant=None: the BF16 engine. guided_layers: layers whose guidance is recorded in
+  `guidance_form`. record_codes: also record full codes in every quantized layer
+  (per-layer agreement diagnostics; costs memory, not shipped as guidance).
+  matmul_impl: 'auto' (Pallas kernel on GPU, jnp reference elsewhere), 'pallas', 'reference'.
+  """
+
+  quant: QuantConfig | None = QuantConfig()
+  guided_layers: tuple[int, ...] = ()
+  guidance_form: str = "mantissa_scale"
+  record_codes: bool = False
+  matmul_impl: str = "auto"
+  compute_dtype: str = "bfloat16"  # 'float32' for exact parity tests against the trainer
+
+  def __post_init__(self):
+    if self.compute_dtype not in ("bfloat16", "float32"):
+      _fail("rollout.compute_dtype", f"unknown {self.compute_dtype!r}; expected 'bfloat16' or 'float32'.")
+    if self.guidance_form not in GUIDANCE_FORMS:
+      _fail("rollout.guidance_form", f"unknown form {self.guidance_form!r}; expected one of {GUIDANCE_FORMS}.")
+    if self.matmul_impl not in ("auto", "pallas", "reference"):
+      _fail("rollout.matmul_impl", f"unknown {self.matmul_impl!r}; expected 'auto', 'pallas' or 'reference'.")
+    if self.quant is None and (self.guided_layers or self.record_codes):
+      _fail("rollout.guided_layers", "a BF16 engine (quant=None) has no FP4 codes to record.")
+
+
+def deeper_layers(num_layers: int, fraction: float) -> tuple[int, ...]:
+  """The deepest `fraction` of the layers (TRACE's selective depth; 0.5 = the second half)."""
+  if not 0 <= fraction <= 1:
+    _fail("guided_fraction", f"must lie in [0, 1], got {fraction}.")
+  n = round(num_layers * fraction)
+  return tuple(range(num_layers - n, num_layers))

@@ -1,0 +1,470 @@
+"""The FP4 rollout engine: weight sync, prefill, KV-cache decode, sampling, recording.
+
+A separate execution path from the trainer's `model.forward`, computing the way inference
+engines do: a bf16 residual stream and bf16 activations, RMSNorm in fp32 returning bf16,
+bf16 RoPE tables, routed-expert weights stored packed FP4 (codes + block scales) and
+dequantized inside the grouped matmul, expert activations quantized online with RTN, an
+FP4 KV cache (packed codes + scales per token and head) and decode attention over the
+cached K/V with its own fp32 softmax. It returns the sampled tokens, their rollout
+log-probs, per-layer top-k expert ids (routing replay) and the compact TRACE guidance,
+laid out by sequence position so the trainer consumes it directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax import attention, fp4, qat
+from trace_jax.config import ModelConfig, QuantConfig, RolloutConfig, SamplingConfig
+from trace_jax.model import AttentionParams, Params
+from trace_jax.moe import MLPParams, MoEParams, route
+from trace_jax.quantizer import guidance_from_quantized
+
+# --- parameters and weight sync -----------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EngineMoE:
+  """Routed experts in the engine layout [E, N, K] (rows = outputs, blocks along K).
+
+  gate/up: [E, I, H] and down: [E, H, I], as fp4.QuantizedArray (FP4 engine) or bf16.
+  """
+
+  router: jax.Array
+  gate: fp4.QuantizedArray | jax.Array
+  up: fp4.QuantizedArray | jax.Array
+  down: fp4.QuantizedArray | jax.Array
+  shared: MLPParams | None = None
+  shared_gate: jax.Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EngineLayer:
+  input_norm: jax.Array
+  attn: AttentionParams
+  post_attn_norm: jax.Array
+  mlp: EngineMoE | MLPParams
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EngineParams:
+  embed: jax.Array
+  layers: tuple[EngineLayer, ...]
+  final_norm: jax.Array
+  lm_head: jax.Array  # [H, V]
+
+
+def weight_sync(params: Params, quant: QuantConfig | None, dtype=jnp.bfloat16) -> EngineParams:
+  """The engine's weights from the trainer's fp32 master weights (after every optimizer step).
+
+  FP4 targets are quantized with RTN from the fp32 masters, blocks along the contraction
+  axis, so their codes equal the trainer's fake-quant codes by construction; everything
+  else is cast to bf16.
+  """
+  cast = lambda t: jax.tree_util.tree_map(lambda a: a.astype(dtype), t)
+  rtn = qat.QatContext(quant)  # RTN fake-quant, for targets the engine keeps as bf16 values
+
+  def experts(w):  # [E, K, N] (trainer) -> [E, N, K] packed
+    w = jnp.swapaxes(w, 1, 2)
+    on = quant is not None and quant.quantizes("experts") and quant.weights
+    return fp4.quantize(w, quant.fmt) if on else w.astype(dtype)
+
+  def mlp(p: MLPParams, target):
+    return cast(MLPParams(*(rtn.weight(w, target) for w in (p.gate, p.up, p.down))))
+
+  layers = []
+  for layer in params.layers:
+    a = layer.attn
+    attn = dataclasses.replace(a, **{n: rtn.weight(getattr(a, n), "attention") for n in ("q", "k", "v", "o")})
+    if isinstance(layer.mlp, MoEParams):
+      m = layer.mlp
+      shared = None if m.shared is None else mlp(m.shared, "shared_expert")
+      gates = (experts(m.gate), experts(m.up), experts(m.down))
+      engine_mlp = EngineMoE(cast(m.router), *gates, shared, None if m.shared_gate is None else cast(m.shared_gate))
+    else:
+      engine_mlp = mlp(layer.mlp, "dense_mlp")
+    layers.append(EngineLayer(cast(layer.input_norm), cast(attn), cast(layer.post_attn_norm), engine_mlp))
+  lm_head = params.embed.T if params.lm_head is None else params.lm_head
+  return EngineParams(cast(params.embed), tuple(layers), cast(params.final_norm), cast(lm_head))
+
+
+# --- the packed-weight matmul (one entry point; the Pallas kernel plugs in here) ----------
+
+
+def grouped_matmul(x: jax.Array, w: fp4.QuantizedArray | jax.Array, group_sizes: jax.Array, impl: str = "auto"):
+  """x [M, K] (rows sorted by group) times w[g] [N, K]^T -> [M, N] in x's dtype, fp32 accumulation."""
+  del impl  # only the jnp reference exists yet
+  wd = fp4.dequantize(w, x.dtype) if isinstance(w, fp4.QuantizedArray) else w
+  out = jax.lax.ragged_dot(x, jnp.swapaxes(wd, 1, 2), group_sizes, preferred_element_type=jnp.float32)
+  return out.astype(x.dtype)
+
+
+# --- the KV cache -------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """One layer's cache [B, T, KV, D]: packed FP4 (codes + scales per token and head) or bf16."""
+
+  k: fp4.QuantizedArray | jax.Array
+  v: fp4.QuantizedArray | jax.Array
+
+
+def init_cache(config: ModelConfig, batch: int, length: int, quant: QuantConfig | None, dtype) -> tuple[KVCache, ...]:
+  shape = (batch, length, config.num_kv_heads, config.head_dim)
+  if quant is not None and quant.quantizes("kv"):
+    fmt = quant.format
+    empty = fp4.QuantizedArray(
+      jnp.zeros((*shape[:-1], shape[-1] // 2), jnp.uint8),
+      jnp.zeros((*shape[:-1], shape[-1] // fmt.block_size), fmt.scale_dtype),
+      None,
+      fmt,
+    )
+  else:
+    empty = jnp.zeros(shape, dtype)
+  return tuple(KVCache(empty, empty) for _ in range(config.num_layers))
+
+
+def _write(buffer, value, start):
+  """Write `value` [B, S, ...] into `buffer` [B, T, ...] at slot `start` (leaves of a pytree)."""
+  return jax.tree_util.tree_map(
+    lambda b, v: jax.lax.dynamic_update_slice_in_dim(b, v.astype(b.dtype), start, axis=1), buffer, value
+  )
+
+
+def _store(x: jax.Array, quant: QuantConfig | None):
+  """What the cache stores for new K or V [B, S, KV, D]: FP4 RTN, or x as it is."""
+  if quant is not None and quant.quantizes("kv"):
+    return fp4.quantize(x, quant.fmt)
+  return x
+
+
+def _load(stored, dtype) -> jax.Array:
+  return fp4.dequantize(stored, dtype) if isinstance(stored, fp4.QuantizedArray) else stored
+
+
+# --- one layer, for prefill (S = prompt length) and decode (S = 1) --------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  model: ModelConfig
+  rollout: RolloutConfig
+
+  @property
+  def quant(self):
+    return self.rollout.quant
+
+  @property
+  def dtype(self):
+    return jnp.dtype(self.rollout.compute_dtype)
+
+  def records(self, layer: int) -> bool:
+    if self.quant is None or not self.quant.quantizes("experts") or not self.quant.activations:
+      return False
+    return self.rollout.record_codes or layer in self.rollout.guided_layers
+
+
+def _dot(x, w):
+  return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _act(x, quant: QuantConfig | None, target: str):
+  """Online RTN activation quantization: (values in x's dtype, QuantizedArray or None)."""
+  if quant is None or not quant.quantizes(target) or not quant.activations:
+    return x, None
+  q = fp4.quantize(x, quant.fmt)
+  return fp4.dequantize(q, x.dtype), q
+
+
+def _attention(p: AttentionParams, x, cache: KVCache, start, positions, slot_mask, st: _Static):
+  """Engine attention: write new K/V into the cache at `start`, attend over the whole cache."""
+  c, quant, dt = st.model, st.quant, st.dtype
+  b, s, _ = x.shape
+  xa, _ = _act(x, quant, "attention")
+  q = jnp.einsum("bsh,hnd->bsnd", xa, p.q, preferred_element_type=jnp.float32).astype(dt)
+  k = jnp.einsum("bsh,hnd->bsnd", xa, p.k, preferred_element_type=jnp.float32).astype(dt)
+  v = jnp.einsum("bsh,hnd->bsnd", xa, p.v, preferred_element_type=jnp.float32).astype(dt)
+  if p.q_norm is not None:
+    q, k = attention.rms_norm(q, p.q_norm, c.rms_norm_eps), attention.rms_norm(k, p.k_norm, c.rms_norm_eps)
+  cos, sin = attention.rope_tables(positions, c.head_dim, c.rope_theta, dtype=dt)
+  q, k = attention.apply_rope(q, cos, sin), attention.apply_rope(k, cos, sin)
+  cache = KVCache(_write(cache.k, _store(k, quant), start), _write(cache.v, _store(v, quant), start))
+  keys, values = _load(cache.k, dt), _load(cache.v, dt)  # [B, T, KV, D]
+  t = keys.shape[1]
+  groups = c.num_heads // c.num_kv_heads
+  qg = q.reshape(b, s, c.num_kv_heads, groups, c.head_dim)
+  scores = jnp.einsum("bskgd,btkd->bkgst", qg, keys, preferred_element_type=jnp.float32) * (c.head_dim**-0.5)
+  query_slot = start + jnp.arange(s)
+  allowed = (jnp.arange(t)[None, :] <= query_slot[:, None])[None] & slot_mask[:, None, :].astype(bool)
+  scores = jnp.where(allowed[:, None, None], scores, attention.NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+  out = jnp.einsum("bkgst,btkd->bskgd", probs, values, preferred_element_type=jnp.float32).astype(dt)
+  out, _ = _act(out.reshape(b, s, c.num_heads, c.head_dim), quant, "attention")
+  return jnp.einsum("bsnd,ndh->bsh", out, p.o, preferred_element_type=jnp.float32).astype(dt), cache
+
+
+def _mlp(p: MLPParams, x, quant, target):
+  xq, _ = _act(x, quant, target)
+  h = (jax.nn.silu(_dot(xq, p.gate).astype(jnp.float32)) * _dot(xq, p.up)).astype(x.dtype)
+  hq, _ = _act(h, quant, target)
+  return _dot(hq, p.down)
+
+
+def _moe(p: EngineMoE, x, st: _Static, record: bool):
+  """x [N, H] -> (out [N, H], topk ids [N, k], {name: QuantizedArray rows} if record)."""
+  c, quant, impl, dt = st.model, st.quant, st.rollout.matmul_impl, st.dtype
+  n, k = x.shape[0], c.num_experts_per_tok
+  router_logits = _dot(x, p.router)  # engines keep router logits in the activation dtype
+  ids, weights = route(router_logits, c, None)
+  xq, q_in = _act(x, quant, "experts")
+  flat = ids.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  group_sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
+  xs = xq[order // k]
+  gate = grouped_matmul(xs, p.gate, group_sizes, impl).astype(jnp.float32)
+  up = grouped_matmul(xs, p.up, group_sizes, impl)
+  h = (jax.nn.silu(gate) * up).astype(dt)
+  hq, q_hidden = _act(h, quant, "experts")
+  y_sorted = grouped_matmul(hq, p.down, group_sizes, impl)
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k))
+  y = y_sorted[inverse].reshape(n, k, -1)
+  out = jnp.sum(weights[..., None] * y.astype(jnp.float32), axis=1).astype(dt)
+  if p.shared is not None:
+    gate_s = jax.nn.sigmoid(_dot(x, p.shared_gate).astype(jnp.float32))
+    out = (out + gate_s * _mlp(p.shared, x, quant, "shared_expert")).astype(dt)
+  records = {}
+  if record:  # unsort the hidden codes to [N, k] rows: slot j = the token's j-th expert
+    unsort = lambda a: a[inverse].reshape(n, k, *a.shape[1:])
+    records = {
+      "moe_input": q_in,
+      "moe_hidden": dataclasses.replace(q_hidden, codes=unsort(q_hidden.codes), scales=unsort(q_hidden.scales)),
+    }
+  return out, ids, records
+
+
+def _forward(params: EngineParams, tokens, caches, start, positions, slot_mask, st: _Static):
+  """Engine forward of tokens [B, S] at cache slots [start, start + S): logits of the last one."""
+  b, s = tokens.shape
+  c = st.model
+  x = params.embed[tokens]  # residual stream in the engine dtype (bf16)
+  new_caches, topk, records = [], [], []
+  for i, layer in enumerate(params.layers):
+    h = attention.rms_norm(x, layer.input_norm, c.rms_norm_eps)  # fp32 inside, engine dtype out
+    attn_out, cache = _attention(layer.attn, h, caches[i], start, positions, slot_mask, st)
+    new_caches.append(cache)
+    x = x + attn_out
+    h = attention.rms_norm(x, layer.post_attn_norm, c.rms_norm_eps)
+    if isinstance(layer.mlp, EngineMoE):
+      out, ids, rec = _moe(layer.mlp, h.reshape(b * s, -1), st, st.records(i))
+      topk.append(ids.reshape(b, s, -1))
+      records.append(
+        {name: jax.tree_util.tree_map(lambda a: a.reshape(b, s, *a.shape[1:]), q) for name, q in rec.items()}
+      )
+      x = x + out.reshape(b, s, -1)
+    else:
+      x = x + _mlp(layer.mlp, h, st.quant, "dense_mlp")
+      topk.append(None)
+      records.append({})
+  last = attention.rms_norm(x[:, -1], params.final_norm, c.rms_norm_eps)
+  logits = jnp.dot(last, params.lm_head, preferred_element_type=jnp.float32)
+  return logits, tuple(new_caches), tuple(topk), tuple(records)
+
+
+# --- sampling -----------------------------------------------------------------------------
+
+
+def sample(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig):
+  """Sample one token per row; returns (tokens [B], log-probs [B]).
+
+  The log-prob is of the temperature-scaled distribution before top-k/top-p truncation
+  (what the trainer recomputes); greedy (temperature 0) reports the temperature-1 log-prob.
+  """
+  logits = logits.astype(jnp.float32)
+  if cfg.temperature == 0:
+    tokens = jnp.argmax(logits, axis=-1)
+    return tokens.astype(jnp.int32), jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], -1)[:, 0]
+  scaled = logits / cfg.temperature
+  logp = jax.nn.log_softmax(scaled)
+  filtered = scaled
+  if cfg.top_k:
+    kth = jax.lax.top_k(scaled, cfg.top_k)[0][:, -1:]
+    filtered = jnp.where(scaled < kth, -jnp.inf, filtered)
+  if cfg.top_p < 1:
+    sorted_logits = jnp.sort(filtered, axis=-1)[:, ::-1]
+    cum = jnp.cumsum(jax.nn.softmax(sorted_logits), axis=-1)
+    # keep the smallest prefix whose mass reaches top_p (the first token always survives)
+    cutoff_index = jnp.sum(cum - jax.nn.softmax(sorted_logits) < cfg.top_p, axis=-1, keepdims=True) - 1
+    cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
+    filtered = jnp.where(filtered < cutoff, -jnp.inf, filtered)
+  tokens = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+  return tokens, jnp.take_along_axis(logp, tokens[:, None], -1)[:, 0]
+
+
+# --- generate -----------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RolloutResult:
+  """Everything the trainer needs, by sequence slot t in [0, P + max_new_tokens).
+
+  tokens: prompt (left-padded) then response (pad after EOS). mask: real tokens.
+  response_mask: generated tokens up to and including EOS. logprobs: rollout log-prob of
+  tokens[:, t] (0 outside the response). topk_ids: per layer [B, T, k] expert ids (None for
+  dense layers). guidance: per layer {tensor: Guidance} for the guided layers, in the
+  configured form. codes: per layer {tensor: Guidance('full')} when record_codes is on.
+  Slot T-1 is never fed back through the engine, so its activations are not recorded.
+  """
+
+  tokens: jax.Array
+  mask: jax.Array
+  response_mask: jax.Array
+  logprobs: jax.Array
+  topk_ids: tuple
+  guidance: tuple
+  codes: tuple
+  guidance_bytes_per_token: int = dataclasses.field(metadata=dict(static=True), default=0)
+
+
+def _record_buffers(st: _Static, batch: int, length: int):
+  """Zeroed full-code buffers [B, T, ...] for the recorded MoE tensors of each layer."""
+  c, fmt = st.model, st.quant.format if st.quant is not None else None
+  buffers = []
+  for i in range(c.num_layers):
+    if not (c.is_moe_layer(i) and st.records(i)):
+      buffers.append({})
+      continue
+    rows = {
+      "moe_input": ((batch, length), c.hidden_size),
+      "moe_hidden": ((batch, length, c.num_experts_per_tok), c.moe_intermediate_size),
+    }
+    buffers.append(
+      {
+        name: fp4.QuantizedArray(
+          jnp.zeros((*lead, dim // 2), jnp.uint8), jnp.zeros((*lead, dim // fmt.block_size), fmt.scale_dtype), None, fmt
+        )
+        for name, (lead, dim) in rows.items()
+      }
+    )
+  return tuple(buffers)
+
+
+def _finish_guidance(st: _Static, buffers, caches):
+  """Per-layer guidance in the configured form, and full codes when diagnostics are on."""
+  quant, guidance, codes = st.quant, [], []
+  for i in range(st.model.num_layers):
+    tensors = dict(buffers[i])
+    if quant is not None and quant.quantizes("kv") and (st.rollout.record_codes or i in st.rollout.guided_layers):
+      tensors.update(key=caches[i].k, value=caches[i].v)
+    guided = i in st.rollout.guided_layers
+    guidance.append(
+      {n: guidance_from_quantized(q, st.rollout.guidance_form) for n, q in tensors.items()} if guided else {}
+    )
+    codes.append({n: guidance_from_quantized(q, "full") for n, q in tensors.items()} if st.rollout.record_codes else {})
+  return tuple(guidance), tuple(codes)
+
+
+def guidance_bytes_per_token(guidance: tuple) -> int:
+  """Bytes of guidance one sequence position costs (leaves are laid out [B, T, ...])."""
+  total = 0
+  for leaf in jax.tree_util.tree_leaves(guidance):
+    if leaf.ndim >= 2:
+      total += leaf.size * leaf.dtype.itemsize // (leaf.shape[0] * leaf.shape[1])
+  return total
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "rollout_config", "sampling"))
+def generate(
+  params: EngineParams,
+  prompts: jax.Array,
+  prompt_mask: jax.Array,
+  rng: jax.Array,
+  *,
+  model_config: ModelConfig,
+  rollout_config: RolloutConfig,
+  sampling: SamplingConfig,
+  seq_ids: jax.Array | None = None,
+) -> RolloutResult:
+  """Prefill left-padded prompts [B, P], then decode up to max_new_tokens with the KV cache.
+
+  Randomness is per sequence: row b draws from fold_in(rng, seq_ids[b]) and the slot, so a
+  sequence's sample does not depend on where it sits in the batch. Compiles once per
+  (B, P, configs).
+  """
+  st = _Static(model_config, rollout_config)
+  b, p = prompts.shape
+  total = p + sampling.max_new_tokens
+  seq_ids = jnp.arange(b) if seq_ids is None else seq_ids
+  row_keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(seq_ids)
+  prompt_mask = prompt_mask.astype(jnp.int32)
+  slot_mask = jnp.concatenate([prompt_mask, jnp.ones((b, sampling.max_new_tokens), jnp.int32)], axis=1)
+  prompt_positions = attention.positions_from_mask(prompt_mask)
+  prompt_len = jnp.sum(prompt_mask, axis=1)
+
+  caches = init_cache(model_config, b, total, rollout_config.quant, st.dtype)
+  buffers = _record_buffers(st, b, total)
+  topk_buf = tuple(
+    jnp.zeros((b, total, model_config.num_experts_per_tok), jnp.int32) if model_config.is_moe_layer(i) else None
+    for i in range(model_config.num_layers)
+  )
+
+  def record(buffers, topk_buf, topk, records, start):
+    buffers = tuple({n: _write(buf[n], rec[n], start) for n in buf} for buf, rec in zip(buffers, records))
+    topk_buf = tuple(None if t is None else _write(t, ids, start) for t, ids in zip(topk_buf, topk))
+    return buffers, topk_buf
+
+  logits, caches, topk, records = _forward(params, prompts, caches, 0, prompt_positions, slot_mask, st)
+  buffers, topk_buf = record(buffers, topk_buf, topk, records, 0)
+  keys = jax.vmap(lambda k: jax.random.fold_in(k, p))(row_keys)
+  first, first_logp = sample(logits, keys, sampling)
+  tokens = jnp.concatenate([prompts, jnp.full((b, sampling.max_new_tokens), sampling.pad_id, jnp.int32)], axis=1)
+  tokens = tokens.at[:, p].set(first)
+  logprobs = jnp.zeros((b, total), jnp.float32).at[:, p].set(first_logp)
+  done = first == sampling.eos_id
+
+  def cond(carry):
+    t, done = carry[0], carry[1]
+    return (t < total - 1) & ~jnp.all(done)
+
+  def body(carry):
+    t, done, tokens, logprobs, caches, buffers, topk_buf = carry
+    positions = (prompt_len + t - p)[:, None]
+    step_tokens = jax.lax.dynamic_slice_in_dim(tokens, t, 1, axis=1)
+    logits, caches, topk, records = _forward(params, step_tokens, caches, t, positions, slot_mask, st)
+    buffers, topk_buf = record(buffers, topk_buf, topk, records, t)
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, t + 1))(row_keys)
+    nxt, nxt_logp = sample(logits, keys, sampling)
+    nxt = jnp.where(done, sampling.pad_id, nxt)
+    nxt_logp = jnp.where(done, 0.0, nxt_logp)
+    tokens = jax.lax.dynamic_update_slice_in_dim(tokens, nxt[:, None], t + 1, axis=1)
+    logprobs = jax.lax.dynamic_update_slice_in_dim(logprobs, nxt_logp[:, None], t + 1, axis=1)
+    return t + 1, done | (nxt == sampling.eos_id), tokens, logprobs, caches, buffers, topk_buf
+
+  carry = (jnp.asarray(p, jnp.int32), done, tokens, logprobs, caches, buffers, topk_buf)
+  _, _, tokens, logprobs, caches, buffers, topk_buf = jax.lax.while_loop(cond, body, carry)
+
+  # response: slots >= P up to and including the first EOS
+  generated = tokens[:, p:]
+  is_eos = (generated == sampling.eos_id).astype(jnp.int32)
+  response = (jnp.cumsum(is_eos, axis=1) - is_eos == 0).astype(jnp.int32)  # up to the first EOS
+  response_mask = jnp.concatenate([jnp.zeros_like(prompt_mask), response], axis=1)
+  guidance, codes = _finish_guidance(st, buffers, caches)
+  return RolloutResult(
+    tokens=tokens,
+    mask=jnp.concatenate([prompt_mask, response], axis=1),
+    response_mask=response_mask,
+    logprobs=logprobs * response_mask,
+    topk_ids=topk_buf,
+    guidance=guidance,
+    codes=codes,
+    guidance_bytes_per_token=guidance_bytes_per_token(guidance),
+  )
