@@ -36,7 +36,8 @@ class Guidance:
   """What the rollout recorded for one quantized tensor. Unused fields are None.
 
   mantissa_bits: uint8 [..., K/8], the rollout code's mantissa bit, 8 elements per byte.
-  codes:         uint8 [..., K/2], full rollout codes (two per byte), for 'full' guidance.
+  codes:         uint8 [..., K/2], full rollout codes (two per byte), for 'full' guidance;
+                 alongside mantissa_bits they only serve to measure agreement.
   scales:        [..., K/block] the rollout's block scales; None = trainer computes its own.
   tensor_scale:  float32 scalar, the rollout's NVFP4 second-level scale, if it used one.
   """
@@ -107,23 +108,26 @@ def _round(x: jax.Array, fmt: fp4.Fp4Format, guidance: Guidance | None, tensor_a
   sign, lo, hi = fp4.neighbors(scaled)
   rtn = fp4.round_to_nearest_index(scaled, lo, hi)
 
-  matches = total = jnp.zeros((), jnp.int32)
+  # Rounding follows the mantissa bits when present (TRACE's compact guidance), else the
+  # full codes. Agreement is measured against the full codes when present (diagnostics can
+  # ship both), else against the mantissa bits.
+  index, matches, total = rtn, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
   if g.codes is not None:
     rollout = fp4.to_blocks(fp4.unpack_nibbles(g.codes), fmt)
     r_mag, r_sign = rollout & 7, rollout >> 3
-    # The rollout value is on our side of zero (or zero): take the neighbour nearest to it.
-    # On the other side: the neighbour nearer zero is the nearer one.
-    toward_rollout = jnp.where(((r_sign == sign) | (r_mag == 0)) & (r_mag >= hi), hi, lo)
-    index = toward_rollout if guided else rtn
-    matches = jnp.sum((fp4.magnitude_value(index) == fp4.magnitude_value(r_mag)) & ((index == 0) | (r_sign == sign)))
-    total = jnp.asarray(rollout.size, jnp.int32)
-  elif g.mantissa_bits is not None:
+    if guided and g.mantissa_bits is None:
+      # The rollout value is on our side of zero (or zero): take the neighbour nearest to it.
+      # On the other side: the neighbour nearer zero is the nearer one.
+      index = jnp.where(((r_sign == sign) | (r_mag == 0)) & (r_mag >= hi), hi, lo)
+  if g.mantissa_bits is not None:
     bits = fp4.to_blocks(fp4.unpack_bits(g.mantissa_bits), fmt)
-    index = jnp.where((lo & 1) == bits, lo, hi) if guided else rtn
-    matches = jnp.sum((index & 1) == bits)
-    total = jnp.asarray(bits.size, jnp.int32)
-  else:
-    index = rtn
+    if guided:
+      index = jnp.where((lo & 1) == bits, lo, hi)
+  if g.codes is not None:
+    same = (fp4.magnitude_value(index) == fp4.magnitude_value(r_mag)) & ((index == 0) | (r_sign == sign))
+    matches, total = jnp.sum(same), jnp.asarray(rollout.size, jnp.int32)
+  elif g.mantissa_bits is not None:
+    matches, total = jnp.sum((index & 1) == bits), jnp.asarray(bits.size, jnp.int32)
   codes = fp4.encode(sign, index, scaled)
   values = fp4.e2m1_to_float(codes) * fp4.dequant_scales(scales, tensor_scale)[..., None]
   in_range = jnp.abs(scaled) <= fp4.E2M1_MAX
