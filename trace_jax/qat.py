@@ -9,6 +9,7 @@ Guided tensors report per-row code agreement so the model can mask out padding.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -53,24 +54,23 @@ class QatContext:
     """Fake-quant x [..., K] row by row; returns (values, QuantStats with per-row counts [...]).
 
     The 'kv' target ignores the `activations` switch: the FP4 KV cache is its own choice.
+    Guidance given for a tensor that this trainer does not fake-quantize (the `fp4` and
+    `quads` modes) is only measured: x comes back unchanged, with its agreement counts.
     """
     rows = x.shape[:-1]
     zeros = QuantStats(jnp.zeros(rows, jnp.int32), jnp.zeros(rows, jnp.int32))
-    enabled = self.quant is not None and self.quant.quantizes(target) and (target == "kv" or self.quant.activations)
-    if not enabled:
-      return x, zeros
-    fmt, clip = self.quant.fmt, self.quant.clip_gradient
-    if guidance is None:
-      return fake_quant(x, fmt, clip_gradient=clip)[0], zeros
-    n = 1
-    for d in rows:
-      n *= d
+    q = self.quant
+    enabled = q is not None and q.quantizes(target) and (target == "kv" or q.activations)
+    if guidance is None or q is None:
+      return (fake_quant(x, q.fmt, clip_gradient=q.clip_gradient)[0] if enabled else x), zeros
+    n = math.prod(rows)
     g = flatten_rows(guidance, n)
     axes = Guidance(**{k: None if v is None or v.ndim == 0 else 0 for k, v in vars(g).items()})
-    one = lambda xr, gr: fake_quant(xr, fmt, gr, guided=self.guided, clip_gradient=clip)
+    guided = self.guided and enabled
+    one = lambda xr, gr: fake_quant(xr, q.fmt, gr, guided=guided, clip_gradient=q.clip_gradient)
     values, stats = jax.vmap(one, in_axes=(0, axes))(x.reshape(n, x.shape[-1]), g)
     stats = jax.tree_util.tree_map(lambda a: a.reshape(rows), stats)
-    return values.reshape(x.shape), stats
+    return (values.reshape(x.shape) if enabled else x), stats
 
 
 def _per_row_fields(g: Guidance):
