@@ -82,7 +82,9 @@ def weight_sync(params: Params, quant: QuantConfig | None, dtype=jnp.bfloat16) -
   layers = []
   for layer in params.layers:
     a = layer.attn
-    attn = dataclasses.replace(a, **{n: rtn.weight(getattr(a, n), "attention") for n in ("q", "k", "v", "o")})
+    # blocks along the contraction axis, as model.attention_block fake-quantizes them
+    axes = {"q": 0, "k": 0, "v": 0, "o": 1}
+    attn = dataclasses.replace(a, **{n: rtn.weight(getattr(a, n), "attention", axis) for n, axis in axes.items()})
     if isinstance(layer.mlp, MoEParams):
       m = layer.mlp
       shared = None if m.shared is None else mlp(m.shared, "shared_expert")
