@@ -226,3 +226,108 @@ def deeper_layers(num_layers: int, fraction: float) -> tuple[int, ...]:
     _fail("guided_fraction", f"must lie in [0, 1], got {fraction}.")
   n = round(num_layers * fraction)
   return tuple(range(num_layers - n, num_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  """num_generations: G samples per prompt. tis_cap: C in min(pi_train / pi_rollout, C) (0 = off)."""
+
+  num_generations: int = 8
+  clip_eps: float = 0.2
+  clip_eps_high: float | None = None  # asymmetric (DAPO-style) upper clip; None = clip_eps
+  tis_cap: float = 5.0
+  kl_coef: float = 0.0
+  normalize_std: bool = True
+  routing_replay: bool = True
+  aux_loss_coef: float = 0.0
+  ppo_epochs: int = 1
+
+  def __post_init__(self):
+    if self.num_generations < 2:
+      _fail(
+        "rl.num_generations", f"GRPO needs >= 2 samples per prompt for a group baseline, got {self.num_generations}."
+      )
+    if self.clip_eps <= 0:
+      _fail("rl.clip_eps", f"must be > 0, got {self.clip_eps}.")
+    if self.tis_cap < 0:
+      _fail("rl.tis_cap", f"must be >= 0 (0 = TIS off), got {self.tis_cap}.")
+    if self.ppo_epochs < 1:
+      _fail("rl.ppo_epochs", f"must be >= 1, got {self.ppo_epochs}.")
+
+
+MODES = ("bf16", "fp4", "qat", "quads", "trace", "trace_full")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeConfig:
+  """What a mode of SPEC section 7 means for the engine and the trainer.
+
+  rollout: the engine's config. trainer_quant: the trainer's fake-quant (None = plain BF16).
+  guided: whether guidance steers the trainer's rounding (in rollout.guided_layers).
+  """
+
+  name: str
+  rollout: RolloutConfig
+  trainer_quant: QuantConfig | None
+  guided: bool
+
+
+def resolve_mode(
+  mode: str,
+  model: ModelConfig,
+  quant: QuantConfig,
+  *,
+  guided_fraction: float = 0.5,
+  guidance_form: str = "mantissa_scale",
+  diagnostics: bool = True,
+  matmul_impl: str = "auto",
+) -> ModeConfig:
+  """bf16 | fp4 | qat | quads | trace | trace_full -> engine and trainer settings.
+
+  diagnostics: the FP4 engine also records full codes in every layer so that per-layer
+  codeword agreement can be measured in every mode (costs rollout memory, not guidance).
+  """
+  if mode not in MODES:
+    _fail("mode", f"unknown mode {mode!r}; expected one of {MODES}.")
+  quant.check_dims(model)
+  if mode == "bf16":
+    return ModeConfig(mode, RolloutConfig(quant=None, matmul_impl=matmul_impl), None, False)
+  guided_layers, form = (), guidance_form
+  if mode == "trace":
+    guided_layers = deeper_layers(model.num_layers, guided_fraction)
+  elif mode == "trace_full":
+    guided_layers, form = tuple(range(model.num_layers)), "full"
+  rollout = RolloutConfig(
+    quant=quant, guided_layers=guided_layers, guidance_form=form, record_codes=diagnostics, matmul_impl=matmul_impl
+  )
+  trainer = {
+    "fp4": dataclasses.replace(quant, targets=()),  # no QAT; the format is kept for measuring
+    "quads": dataclasses.replace(quant, targets=("experts",), activations=False),  # W4A16
+  }.get(mode, quant)
+  return ModeConfig(mode, rollout, trainer, mode in ("trace", "trace_full"))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """AdamW with linear warmup then cosine decay, and global-norm gradient clipping."""
+
+  learning_rate: float = 1e-5
+  warmup_steps: int = 0
+  end_lr_fraction: float = 0.1
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  grad_clip: float = 1.0
+
+  def __post_init__(self):
+    if self.learning_rate <= 0:
+      _fail("optim.learning_rate", f"must be > 0, got {self.learning_rate}.")
+    if self.warmup_steps < 0:
+      _fail("optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}.")
+    if self.grad_clip < 0:
+      _fail("optim.grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}.")
+
+
+def section(cls, config_section, prefix: str):
+  """A frozen config dataclass from a ConfigDict section, rejecting unknown fields."""
+  return _from_mapping(cls, config_section, prefix)

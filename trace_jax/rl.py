@@ -1,0 +1,91 @@
+"""GRPO pieces: group advantages, the PPO-clip loss with token-level TIS and KL, and the
+train-rollout mismatch metrics of SPEC section 6. Pure functions over arrays.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.config import GRPOConfig
+
+
+def group_advantages(rewards: jax.Array, num_generations: int, normalize_std: bool = True, eps: float = 1e-6):
+  """rewards [B*G] (groups contiguous) -> advantages [B*G]: (r - group mean) / (group std + eps)."""
+  r = rewards.reshape(-1, num_generations).astype(jnp.float32)
+  adv = r - jnp.mean(r, axis=1, keepdims=True)
+  if normalize_std:
+    adv = adv / (jnp.std(r, axis=1, keepdims=True) + eps)
+  return adv.reshape(-1)
+
+
+def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+  mask = mask.astype(jnp.float32)
+  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def grpo_loss(
+  logp: jax.Array,
+  old_logp: jax.Array,
+  rollout_logp: jax.Array,
+  advantages: jax.Array,
+  mask: jax.Array,
+  cfg: GRPOConfig,
+  ref_logp: jax.Array | None = None,
+):
+  """Token-mean GRPO objective over response tokens.
+
+  logp: the trainer's log-probs [B, S] (differentiated); old_logp: the same before this
+  update (ppo ratio denominator); rollout_logp: the engine's. TIS weight
+  min(pi_old / pi_rollout, C) corrects the sampling policy to the trained one (stop-gradient).
+  Returns (loss, metrics).
+  """
+  adv = advantages[:, None]
+  ratio = jnp.exp(logp - old_logp)
+  high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
+  clipped = jnp.clip(ratio, 1 - cfg.clip_eps, 1 + high)
+  pg = -jnp.minimum(ratio * adv, clipped * adv)
+  if cfg.tis_cap > 0:
+    tis = jax.lax.stop_gradient(jnp.minimum(jnp.exp(old_logp - rollout_logp), cfg.tis_cap))
+    pg = pg * tis
+  loss = masked_mean(pg, mask)
+  metrics = {
+    "loss/pg": loss,
+    "loss/clip_frac": masked_mean((jnp.abs(ratio - 1) > cfg.clip_eps).astype(jnp.float32), mask),
+  }
+  if ref_logp is not None and cfg.kl_coef > 0:
+    kl = k3(ref_logp, logp)
+    metrics["loss/kl_ref"] = masked_mean(kl, mask)
+    loss = loss + cfg.kl_coef * metrics["loss/kl_ref"]
+  return loss, metrics
+
+
+def k3(logp_target: jax.Array, logp_sample: jax.Array) -> jax.Array:
+  """Schulman's k3 estimator of KL(sample || target), per token, from samples of `sample`."""
+  log_ratio = logp_target - logp_sample
+  return jnp.exp(log_ratio) - log_ratio - 1.0
+
+
+def mismatch_metrics(train_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array) -> dict:
+  """SPEC section 6 over response tokens: |logp diff| mean/max, k3 KL, IS-ratio statistics."""
+  m = mask.astype(bool)
+  diff = jnp.abs(train_logp - rollout_logp)
+  ratio = jnp.exp(train_logp - rollout_logp)
+  return {
+    "mismatch/logp_diff_mean": masked_mean(diff, m),
+    "mismatch/logp_diff_max": jnp.max(jnp.where(m, diff, 0.0)),
+    "mismatch/kl_k3": masked_mean(k3(train_logp, rollout_logp), m),
+    "mismatch/is_ratio_mean": masked_mean(ratio, m),
+    "mismatch/is_ratio_outside_0.5_2": masked_mean(((ratio < 0.5) | (ratio > 2.0)).astype(jnp.float32), m),
+  }
+
+
+def routing_agreement(router_logits: jax.Array, rollout_ids: jax.Array, mask: jax.Array) -> jax.Array:
+  """Fraction of the rollout's top-k experts that the trainer's own router also picks.
+
+  router_logits [B, S, E] (the trainer's, whatever was replayed), rollout_ids [B, S, k].
+  """
+  k = rollout_ids.shape[-1]
+  own = jax.lax.top_k(router_logits, k)[1]
+  hits = jnp.sum(own[..., :, None] == rollout_ids[..., None, :], axis=(-1, -2)) / k
+  return masked_mean(hits.astype(jnp.float32), mask)

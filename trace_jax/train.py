@@ -1,0 +1,456 @@
+"""Train state, the jitted SFT and GRPO steps, and the RL loop.
+
+One step of the loop, top to bottom (data flows one way):
+  prompts -> weight_sync(params) -> rollout.generate (tokens, log-probs, routing, guidance)
+  -> rewards -> group advantages -> train step (QAT forward with guidance, GRPO loss) -> params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+from tqdm import tqdm
+
+from trace_jax import checkpoint, data, model, qat, rl, rollout
+from trace_jax.config import (
+  ConfigError,
+  GRPOConfig,
+  ModeConfig,
+  ModelConfig,
+  OptimConfig,
+  QuantConfig,
+  SamplingConfig,
+  resolve_mode,
+  section,
+)
+from trace_jax.metrics_writer import MetricWriter, read_metrics
+from trace_jax.quantizer import Guidance
+
+# Fields a rerun in the same workdir may change (how long and how often), not what is computed.
+RESUMABLE_FIELDS = ("steps", "checkpoint_every", "eval_every", "log_every")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+  step: jax.Array
+  params: model.Params
+  opt_state: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainBatch:
+  """One rollout batch in the trainer's layout: inputs [N, T-1] predict targets [N, T-1]."""
+
+  inputs: jax.Array
+  targets: jax.Array
+  mask: jax.Array  # real tokens of the inputs (prompt and response)
+  loss_mask: jax.Array  # response tokens among the targets
+  rollout_logp: jax.Array
+  advantages: jax.Array  # [N]
+  old_logp: jax.Array  # the trainer's log-probs before this rollout's first update
+  ref_logp: jax.Array | None
+  guidance: tuple  # per layer {tensor: Guidance}
+  replay_ids: tuple | None  # per layer [N, T-1, k] (R3)
+  rollout_ids: tuple  # per layer [N, T-1, k], for routing agreement
+
+
+# --- the run's configuration ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """The validated, frozen view of a ConfigDict that the loop runs on."""
+
+  model: ModelConfig
+  mode: ModeConfig
+  sampling: SamplingConfig
+  grpo: GRPOConfig
+  optim: OptimConfig
+  reward: data.RewardConfig
+
+  @classmethod
+  def from_config(cls, cfg: ml_collections.ConfigDict, tokenizer) -> RunConfig:
+    model_cfg = section(ModelConfig, cfg.model, "model")
+    if model_cfg.vocab_size < tokenizer.vocab_size:
+      raise ConfigError(
+        f"config.model.vocab_size: {model_cfg.vocab_size} is smaller than the tokenizer's vocabulary "
+        f"({tokenizer.vocab_size}); raise it."
+      )
+    quant = section(QuantConfig, cfg.quant, "quant")
+    mode = resolve_mode(
+      cfg.mode,
+      model_cfg,
+      quant,
+      guided_fraction=cfg.trace.guided_fraction,
+      guidance_form=cfg.trace.guidance_form,
+      diagnostics=cfg.trace.diagnostics,
+      matmul_impl=cfg.rollout.matmul_impl,
+    )
+    sampling = SamplingConfig(
+      max_new_tokens=cfg.rollout.max_new_tokens,
+      temperature=cfg.rollout.temperature,
+      top_k=cfg.rollout.top_k,
+      top_p=cfg.rollout.top_p,
+      eos_id=tokenizer.eos_id,
+      pad_id=tokenizer.pad_id,
+    )
+    grpo = section(GRPOConfig, cfg.rl, "rl")
+    optim = section(OptimConfig, cfg.optim, "optim")
+    reward = section(data.RewardConfig, cfg.reward, "reward")
+    return cls(model_cfg, mode, sampling, grpo, optim, reward)
+
+  def qat_context(self) -> qat.QatContext:
+    return qat.QatContext(self.mode.trainer_quant, self.mode.guided, jnp.bfloat16, self.mode.rollout.guided_layers)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+  schedule = optax.warmup_cosine_decay_schedule(
+    init_value=0.0 if cfg.warmup_steps else cfg.learning_rate,
+    peak_value=cfg.learning_rate,
+    warmup_steps=cfg.warmup_steps,
+    decay_steps=max(total_steps, cfg.warmup_steps + 1),
+    end_value=cfg.learning_rate * cfg.end_lr_fraction,
+  )
+  chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
+  chain.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+  return optax.chain(*chain)
+
+
+# --- steps ----------------------------------------------------------------------------------
+
+
+def _apply(state: TrainState, grads, loss, optimizer) -> tuple[TrainState, jax.Array, jax.Array]:
+  """Optimizer update that keeps the old state when the loss or gradients are not finite."""
+  grad_norm = optax.global_norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
+  new = TrainState(
+    state.step + finite.astype(state.step.dtype), keep(params, state.params), keep(opt_state, state.opt_state)
+  )
+  return new, grad_norm, finite
+
+
+def make_sft_step(config: ModelConfig, optimizer):
+  """Teacher-forced cross-entropy on the answer tokens (the warm start), BF16, no QAT."""
+
+  def loss_fn(params, tokens, mask, loss_mask):
+    logits, _ = model.forward(params, tokens[:, :-1], mask[:, :-1], config)
+    nll = -model.token_logprobs(logits, tokens[:, 1:])
+    return rl.masked_mean(nll, loss_mask[:, 1:])
+
+  def step(state, tokens, mask, loss_mask):
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, tokens, mask, loss_mask)
+    state, grad_norm, finite = _apply(state, grads, loss, optimizer)
+    return state, {"sft/loss": loss, "sft/grad_norm": grad_norm, "sft/finite": finite}
+
+  return jax.jit(step, donate_argnums=0)
+
+
+def make_rl_step(run: RunConfig, optimizer):
+  """The jitted, donated GRPO step: QAT forward (guided per the mode), loss, update, metrics."""
+  ctx, grpo, config = run.qat_context(), run.grpo, run.model
+
+  def loss_fn(params, batch: TrainBatch, first: bool):
+    logits, aux = model.forward(
+      params, batch.inputs, batch.mask, config, ctx=ctx, guidance=batch.guidance, replay_ids=batch.replay_ids
+    )
+    logp = model.token_logprobs(logits, batch.targets)
+    old = jax.lax.stop_gradient(logp) if first else batch.old_logp
+    loss, metrics = rl.grpo_loss(logp, old, batch.rollout_logp, batch.advantages, batch.loss_mask, grpo, batch.ref_logp)
+    if grpo.aux_loss_coef:
+      loss = loss + grpo.aux_loss_coef * aux.aux_loss
+    metrics["loss/aux_load_balance"] = aux.aux_loss
+    return loss, (logp, aux, metrics)
+
+  def step(state: TrainState, batch: TrainBatch, first: bool):
+    (loss, (logp, aux, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, first)
+    state, grad_norm, finite = _apply(state, grads, loss, optimizer)
+    metrics.update({"loss/total": loss, "grad_norm": grad_norm, "finite": finite})
+    metrics.update(rl.mismatch_metrics(jax.lax.stop_gradient(logp), batch.rollout_logp, batch.loss_mask))
+    for i, layer_stats in enumerate(aux.quant_stats):
+      for name, s in layer_stats.items():
+        metrics[f"agreement/{name}/layer{i}"] = jnp.where(s.total > 0, s.matches / jnp.maximum(s.total, 1), jnp.nan)
+    for i, router_logits in enumerate(aux.router_logits):
+      if router_logits is not None:
+        metrics[f"routing_agreement/layer{i}"] = rl.routing_agreement(router_logits, batch.rollout_ids[i], batch.mask)
+    return state, jax.lax.stop_gradient(logp), metrics
+
+  return jax.jit(step, donate_argnums=0, static_argnames="first")
+
+
+def trainer_guidance(result: rollout.RolloutResult) -> tuple[dict[str, Guidance], ...]:
+  """The rollout's per-layer guidance in the trainer's layout ([N, T-1, ...]).
+
+  Guided layers get the configured form; where diagnostic full codes exist they ride along
+  (measured, never used for rounding when mantissa bits are present). Other layers get the
+  codes alone, without the rollout's scales, so the trainer's numerics are untouched.
+  """
+  cut = lambda a: a[:, :-1] if a is not None and a.ndim >= 2 else a
+  layers = []
+  for guided, codes in zip(result.guidance, result.codes):
+    layer = {}
+    for name in set(guided) | set(codes):
+      g = guided.get(name, Guidance())
+      if name in codes and g.codes is None:
+        g = dataclasses.replace(g, codes=codes[name].codes)
+      layer[name] = jax.tree_util.tree_map(cut, g)
+    layers.append(layer)
+  return tuple(layers)
+
+
+# --- the loop -------------------------------------------------------------------------------
+
+
+def _check_workdir(cfg: ml_collections.ConfigDict, workdir: str) -> None:
+  """A workdir holds one run: refuse to resume a run of another config (nothing is touched)."""
+  path = os.path.join(workdir, "config.json")
+  current = json.loads(cfg.to_json_best_effort())
+  if os.path.exists(path):
+    with open(path) as f:
+      saved = json.load(f)
+    differs = sorted(
+      k for k in set(saved) | set(current) if k not in RESUMABLE_FIELDS and saved.get(k) != current.get(k)
+    )
+    if differs:
+      raise ConfigError(
+        f"--workdir {workdir} holds a run of another config (fields {differs} differ from its config.json). "
+        "Use a new --workdir, or rerun with the saved config to resume."
+      )
+  os.makedirs(workdir, exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(current, f, indent=2, sort_keys=True)
+
+
+def load_data(cfg: ml_collections.ConfigDict):
+  """(tokenizer, train source, test source) for the configured task."""
+  tokenizer = data.load_tokenizer(cfg.data.tokenizer or None)
+  if cfg.data.jsonl_train:
+    train = data.JsonlSource(cfg.data.jsonl_train)
+    test = data.JsonlSource(cfg.data.jsonl_test) if cfg.data.jsonl_test else train
+    return tokenizer, train, test
+  kwargs = dict(
+    data_dir=cfg.data.data_dir or None,
+    levels=tuple(cfg.data.levels),
+    num_train=cfg.data.num_train,
+    num_test=cfg.data.num_test,
+    seed=cfg.data.seed,
+  )
+  return tokenizer, data.arithmetic_source("train", **kwargs), data.arithmetic_source("test", **kwargs)
+
+
+def sft_warm_start(params, cfg, run: RunConfig, tokenizer, source):
+  """A few hundred steps of supervised training so RL starts from partial reward."""
+  steps = cfg.sft.steps
+  if steps <= 0:
+    return params
+  optimizer = make_optimizer(section(OptimConfig, cfg.sft.optim, "sft.optim"), steps)
+  state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+  step_fn = make_sft_step(run.model, optimizer)
+  batcher = data.SFTBatcher(
+    source, tokenizer, cfg.sft.batch_size, cfg.data.max_prompt_len, cfg.rollout.max_new_tokens - 1, seed=cfg.seed
+  )
+  for i in tqdm(range(steps), desc="sft", leave=False):
+    b = batcher.batch_at(i)
+    state, m = step_fn(state, jnp.asarray(b.tokens), jnp.asarray(b.mask), jnp.asarray(b.loss_mask))
+    if not bool(m["sft/finite"]):
+      raise FloatingPointError(f"SFT loss is not finite at step {i}; lower config.sft.optim.learning_rate.")
+  logging.info("SFT warm start: %d steps, final loss %.4f", steps, float(m["sft/loss"]))
+  return state.params
+
+
+def evaluate(params, run: RunConfig, quant: QuantConfig | None, tokenizer, source, cfg, rng) -> float:
+  """Greedy accuracy on the first `eval_prompts` test prompts with a BF16 or FP4 engine."""
+  n = min(cfg.eval_prompts, len(source))
+  batcher = data.PromptBatcher(source, tokenizer, n, cfg.data.max_prompt_len, seed=0, shuffle=False)
+  b = batcher.batch_at(0)
+  engine = rollout.RolloutConfig(quant=quant, matmul_impl=cfg.rollout.matmul_impl)
+  greedy = dataclasses.replace(run.sampling, temperature=0.0)
+  ep = rollout.weight_sync(params, quant)
+  res = rollout.generate(
+    ep, jnp.asarray(b.tokens), jnp.asarray(b.mask), rng, model_config=run.model, rollout_config=engine, sampling=greedy
+  )
+  responses = np.asarray(res.tokens)[:, b.tokens.shape[1] :]
+  correct = data.RewardConfig(run.reward.verifier, correct_reward=1.0, format_reward=0.0)
+  return float(np.mean(data.batch_rewards(b.answers, responses, tokenizer, correct)))
+
+
+class _Preempted:
+  """SIGTERM sets a flag; the loop checkpoints after the current step and exits cleanly."""
+
+  def __init__(self):
+    self.flag = False
+    self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum, frame):
+    logging.warning("SIGTERM: saving a checkpoint after this step, then exiting.")
+    self.flag = True
+
+  def restore(self):
+    signal.signal(signal.SIGTERM, self._previous)
+
+
+def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Run (or resume) the RL job described by `cfg` in `workdir`; returns the final summary."""
+  tokenizer, train_source, test_source = load_data(cfg)
+  run = RunConfig.from_config(cfg, tokenizer)
+  _check_workdir(cfg, workdir)
+  root = jax.random.key(cfg.seed)
+  init_key, rollout_key, eval_key = jax.random.split(root, 3)
+
+  optimizer = make_optimizer(run.optim, cfg.steps)
+  params = model.init_params(run.model, init_key)
+  state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+  ckpt = checkpoint.Checkpointer(workdir, max_to_keep=cfg.keep_checkpoints)
+  start, state = ckpt.restore_latest(state)
+  if start is None:
+    logging.info("Starting a new run in %s (mode %s).", workdir, run.mode.name)
+    params = sft_warm_start(state.params, cfg, run, tokenizer, train_source)
+    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    ckpt.save(0, state, force=True)
+    start = 0
+  else:
+    logging.info("Resuming %s from step %d.", workdir, start)
+  reference = jax.tree_util.tree_map(jnp.copy, state.params) if run.grpo.kl_coef > 0 else None
+
+  writer = MetricWriter(workdir, start_step=start + 1)
+  batcher = data.PromptBatcher(train_source, tokenizer, cfg.batch_prompts, cfg.data.max_prompt_len, seed=cfg.seed)
+  step_fn = make_rl_step(run, optimizer)
+  sync = jax.jit(rollout.weight_sync, static_argnums=1)
+  ref_logp_fn = jax.jit(lambda p, b: model.token_logprobs(model.forward(p, b.inputs, b.mask, run.model)[0], b.targets))
+  preempted = _Preempted()
+  summary: dict = {}
+  bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"rl[{run.mode.name}]")
+  try:
+    for step in bar:
+      state, metrics = _rl_step(
+        step, state, run, batcher, tokenizer, sync, step_fn, ref_logp_fn, reference, rollout_key
+      )
+      if not metrics["finite"]:
+        raise FloatingPointError(
+          f"Loss or gradients are not finite at step {step + 1}; the update was skipped and the run stopped. "
+          f"The last good checkpoint is step {ckpt.steps()[-1]} in {ckpt.directory}."
+        )
+      if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+        metrics["eval/accuracy"] = evaluate(
+          state.params, run, run.mode.rollout.quant, tokenizer, test_source, cfg, eval_key
+        )
+      writer.write(step + 1, metrics)
+      bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", dlogp=f"{metrics['mismatch/logp_diff_mean']:.4f}")
+      if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps or preempted.flag:
+        ckpt.save(step + 1, state, force=True)
+      if preempted.flag:
+        break
+    ckpt.wait()
+    summary = _summary(workdir, run, state, cfg, tokenizer, test_source, eval_key)
+  finally:
+    preempted.restore()
+    writer.close()
+    ckpt.close()
+  return summary
+
+
+def _rl_step(step, state, run: RunConfig, batcher, tokenizer, sync, step_fn, ref_logp_fn, reference, rollout_key):
+  """One RL step: rollout, rewards, advantages, update. Returns (state, metrics as floats)."""
+  G = run.grpo.num_generations
+  batch = batcher.batch_at(step)
+  prompts = jnp.asarray(np.repeat(batch.tokens, G, axis=0))
+  prompt_mask = jnp.asarray(np.repeat(batch.mask, G, axis=0))
+  answers = [a for a in batch.answers for _ in range(G)]
+
+  t0 = time.perf_counter()
+  engine_params = sync(state.params, run.mode.rollout.quant)
+  result = rollout.generate(
+    engine_params,
+    prompts,
+    prompt_mask,
+    jax.random.fold_in(rollout_key, step),
+    model_config=run.model,
+    rollout_config=run.mode.rollout,
+    sampling=run.sampling,
+  )
+  tokens = np.asarray(result.tokens)
+  t_rollout = time.perf_counter() - t0
+
+  p = batch.tokens.shape[1]
+  rewards = data.batch_rewards(answers, tokens[:, p:], tokenizer, run.reward)
+  advantages = rl.group_advantages(jnp.asarray(rewards), G, run.grpo.normalize_std)
+  rollout_ids = tuple(None if t is None else t[:, :-1] for t in result.topk_ids)
+  train_batch = TrainBatch(
+    inputs=result.tokens[:, :-1],
+    targets=result.tokens[:, 1:],
+    mask=result.mask[:, :-1],
+    loss_mask=result.response_mask[:, 1:],
+    rollout_logp=result.logprobs[:, 1:],
+    advantages=advantages,
+    old_logp=jnp.zeros(result.logprobs[:, 1:].shape, jnp.float32),
+    ref_logp=None,
+    guidance=trainer_guidance(result),
+    replay_ids=rollout_ids if run.grpo.routing_replay else None,
+    rollout_ids=rollout_ids,
+  )
+  if reference is not None:
+    train_batch = dataclasses.replace(train_batch, ref_logp=ref_logp_fn(reference, train_batch))
+
+  t0 = time.perf_counter()
+  metrics = {}
+  for epoch in range(run.grpo.ppo_epochs):
+    state, logp, m = step_fn(state, train_batch, first=epoch == 0)
+    if epoch == 0:
+      metrics = m  # mismatch metrics: the policy the rollout was synced from
+      train_batch = dataclasses.replace(train_batch, old_logp=logp)
+    else:
+      metrics.update({k: v for k, v in m.items() if k.startswith("loss/") or k in ("grad_norm", "finite")})
+  metrics = jax.device_get(metrics)
+  t_train = time.perf_counter() - t0
+
+  response_mask = np.asarray(result.response_mask)
+  metrics = {k: float(v) for k, v in metrics.items()}
+  metrics.update(
+    {
+      "reward/mean": float(rewards.mean()),
+      "reward/accuracy": float(np.mean(rewards >= run.reward.correct_reward)),
+      "response/length_mean": float(response_mask.sum(1).mean()),
+      "guidance/bytes_per_token": float(result.guidance_bytes_per_token),
+      "time/rollout_s": t_rollout,
+      "time/train_s": t_train,
+      "finite": bool(metrics["finite"]),
+    }
+  )
+  return state, metrics
+
+
+def _summary(workdir, run, state, cfg, tokenizer, test_source, eval_key) -> dict:
+  """Final-policy check: greedy accuracy with a BF16 and an FP4 engine; reward trend."""
+  rows = read_metrics(workdir)
+  fp4_quant = section(QuantConfig, cfg.quant, "quant")
+  summary = {
+    "mode": run.mode.name,
+    "steps": int(state.step),
+    "final/accuracy_bf16_engine": evaluate(state.params, run, None, tokenizer, test_source, cfg, eval_key),
+    "final/accuracy_fp4_engine": evaluate(state.params, run, fp4_quant, tokenizer, test_source, cfg, eval_key),
+  }
+  if rows:
+    k = max(1, len(rows) // 5)
+    for key in ("reward/mean", "mismatch/logp_diff_mean", "mismatch/kl_k3"):
+      values = [r[key] for r in rows if key in r]
+      if values:
+        summary[f"first_{k}/{key}"] = float(np.mean(values[:k]))
+        summary[f"last_{k}/{key}"] = float(np.mean(values[-k:]))
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  return summary
