@@ -26,49 +26,54 @@ def get_config(mode: str = "trace") -> ml_collections.ConfigDict:
   c.model = models.tiny()
 
   # FP4 format and targets (SPEC 2.5): routed experts W4A4 and the KV cache.
-  c.quant = ml_collections.ConfigDict(dict(fmt="nvfp4", targets=("experts", "kv"), weights=True, activations=True, clip_gradient=False))
+  c.quant = ml_collections.ConfigDict(
+    dict(fmt="nvfp4", targets=("experts", "kv"), weights=True, activations=True, clip_gradient=False)
+  )
   # TRACE: which layers get guidance and in which form; diagnostics records full codes in every
   # layer so that per-layer codeword agreement is measured in every mode.
   c.trace = ml_collections.ConfigDict(dict(guided_fraction=0.5, guidance_form="mantissa_scale", diagnostics=True))
 
   c.rollout = ml_collections.ConfigDict(dict(max_new_tokens=8, temperature=1.0, top_k=0, top_p=1.0, matmul_impl="auto"))
   c.rl = ml_collections.ConfigDict(
-      dict(
-          num_generations=8,
-          clip_eps=0.2,
-          clip_eps_high=None,
-          tis_cap=5.0,  # token-level TIS min(pi_train / pi_rollout, C); 0 = off
-          kl_coef=0.0,
-          normalize_std=True,
-          routing_replay=True,  # R3
-          aux_loss_coef=0.0,
-          ppo_epochs=1,
-      )
+    dict(
+      num_generations=8,
+      clip_eps=0.2,
+      clip_eps_high=None,
+      tis_cap=5.0,  # token-level TIS min(pi_train / pi_rollout, C); 0 = off
+      kl_coef=0.0,
+      normalize_std=True,
+      routing_replay=True,  # R3
+      aux_loss_coef=0.0,
+      ppo_epochs=1,
+    )
   )
   c.optim = ml_collections.ConfigDict(
-      dict(learning_rate=2e-4, warmup_steps=5, end_lr_fraction=0.1, weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=1.0)
+    dict(learning_rate=2e-4, warmup_steps=5, end_lr_fraction=0.1, weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=1.0)
   )
   c.reward = ml_collections.ConfigDict(dict(verifier="exact", correct_reward=1.0, format_reward=0.1))
 
   c.data = ml_collections.ConfigDict(
-      dict(
-          tokenizer="",  # '' = the task's character tokenizer; or a tokenizer.json path
-          levels=(1, 2),
-          num_train=20_000,
-          num_test=1_000,
-          seed=0,
-          data_dir="",  # '' = ~/.cache/trace_jax/tensorflow_datasets
-          max_prompt_len=12,
-          jsonl_train="",  # {"prompt", "answer"} lines instead of the arithmetic task
-          jsonl_test="",
-      )
+    dict(
+      tokenizer="",  # '' = the task's character tokenizer; or a tokenizer.json path
+      levels=(1, 2),
+      num_train=20_000,
+      num_test=1_000,
+      seed=0,
+      data_dir="",  # '' = ~/.cache/trace_jax/tensorflow_datasets
+      max_prompt_len=12,
+      jsonl_train="",  # {"prompt", "answer"} lines instead of the arithmetic task
+      jsonl_test="",
+    )
   )
   # Supervised warm start so that RL starts from a policy with partial reward.
   c.sft = ml_collections.ConfigDict(
-      dict(
-          steps=300,
-          batch_size=64,
-          optim=dict(learning_rate=3e-3, warmup_steps=20, end_lr_fraction=0.05, weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=1.0),
-      )
+    dict(
+      steps=300,
+      batch_size=64,
+      cache_dir="",  # set to share the (deterministic) SFT result between runs, e.g. a sweep's modes
+      optim=dict(
+        learning_rate=3e-3, warmup_steps=20, end_lr_fraction=0.05, weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=1.0
+      ),
+    )
   )
   return c

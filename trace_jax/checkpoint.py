@@ -45,17 +45,32 @@ class Checkpointer:
       try:
         state = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
       except Exception as e:  # noqa: BLE001 (any read failure means: try the previous one)
-        logging.warning("Checkpoint at step %d in %s is unreadable (%s); trying the previous one.", step, self.directory, e)
+        logging.warning(
+          "Checkpoint at step %d in %s is unreadable (%s); trying the previous one.", step, self.directory, e
+        )
         failures.append(f"step {step}: {type(e).__name__}: {e}")
         continue
       return step, state
     if failures:
       raise CheckpointError(
-          f"No checkpoint in {self.directory} could be restored:\n  " + "\n  ".join(failures) + "\n"
-          "Move the directory aside to start afresh (nothing was deleted)."
+        f"No checkpoint in {self.directory} could be restored:\n  " + "\n  ".join(failures) + "\n"
+        "Move the directory aside to start afresh (nothing was deleted)."
       )
     return None, target
 
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def save_tree(path: str, tree) -> None:
+  """Write one pytree to `path` (e.g. cached SFT parameters shared by several runs)."""
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.abspath(path), tree)
+
+
+def load_tree(path: str, target):
+  """Read a pytree written by `save_tree`, into the structure of `target`."""
+  abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
+  with ocp.StandardCheckpointer() as ckptr:
+    return ckptr.restore(os.path.abspath(path), abstract)

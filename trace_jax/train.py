@@ -8,6 +8,7 @@ One step of the loop, top to bottom (data flows one way):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -258,6 +259,10 @@ def sft_warm_start(params, cfg, run: RunConfig, tokenizer, source):
   steps = cfg.sft.steps
   if steps <= 0:
     return params
+  cache = _sft_cache_path(cfg)
+  if cache and os.path.exists(cache):
+    logging.info("SFT warm start: loading cached parameters from %s", cache)
+    return checkpoint.load_tree(cache, params)
   optimizer = make_optimizer(section(OptimConfig, cfg.sft.optim, "sft.optim"), steps)
   state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
   step_fn = make_sft_step(run.model, optimizer)
@@ -270,7 +275,20 @@ def sft_warm_start(params, cfg, run: RunConfig, tokenizer, source):
     if not bool(m["sft/finite"]):
       raise FloatingPointError(f"SFT loss is not finite at step {i}; lower config.sft.optim.learning_rate.")
   logging.info("SFT warm start: %d steps, final loss %.4f", steps, float(m["sft/loss"]))
+  if cache:
+    checkpoint.save_tree(cache, state.params)
   return state.params
+
+
+def _sft_cache_path(cfg) -> str:
+  """Where cached SFT parameters live: keyed by everything that determines them."""
+  if not cfg.sft.cache_dir:
+    return ""
+  keyed = {k: json.loads(cfg[k].to_json_best_effort()) for k in ("model", "sft", "data", "rollout")}
+  keyed["sft"].pop("cache_dir")
+  keyed["seed"] = cfg.seed
+  digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
+  return os.path.join(cfg.sft.cache_dir, f"sft-{digest}")
 
 
 def evaluate(params, run: RunConfig, quant: QuantConfig | None, tokenizer, source, cfg, rng) -> float:
