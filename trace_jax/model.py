@@ -119,7 +119,8 @@ def _masked_sum(stats: QuantStats, mask: jax.Array) -> QuantStats:
 def attention_block(p: AttentionParams, x, positions, mask, config: ModelConfig, ctx: qat.QatContext, guidance: dict):
   """x [B, S, H] -> (out [B, S, H], stats). K/V are fake-quantized as the FP4 cache stores them."""
   dt = ctx.compute_dtype
-  q_w, k_w, v_w, o_w = (ctx.weight(w, "attention") for w in (p.q, p.k, p.v, p.o))
+  q_w, k_w, v_w = (ctx.weight(w, "attention") for w in (p.q, p.k, p.v))
+  o_w = ctx.weight(p.o, "attention", axis=1)  # o contracts over (heads, head_dim): blocks along head_dim
   xa = ctx.activation(x, "attention").astype(dt)
   q = jnp.einsum("bsh,hnd->bsnd", xa, q_w.astype(dt), preferred_element_type=jnp.float32)
   k = jnp.einsum("bsh,hnd->bsnd", xa, k_w.astype(dt), preferred_element_type=jnp.float32)

@@ -1,0 +1,106 @@
+"""Model presets in configs/models.py: importable, loadable by path, valid, and checked."""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from configs import models
+from trace_jax import model
+from trace_jax.config import ConfigError, QuantConfig, model_config
+
+MODELS_FILE = pathlib.Path(models.__file__)
+PRESETS = sorted(models.PRESETS)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_presets_validate(preset):
+  c = model_config(models.get_config(preset))
+  assert c.num_layers == len(c.moe_layers)  # every layer sparse
+  for fmt in ("nvfp4", "mxfp4"):
+    QuantConfig(fmt=fmt, targets=("experts", "kv", "attention")).check_dims(c)
+
+
+def test_tiny_preset():
+  c = model_config(models.tiny())
+  assert (c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (64, 64, 4, 4, 2, 32)
+  assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.rope_theta) == (8, 2, 32, 10_000.0)
+  params = jax.eval_shape(lambda: model.init_params(c, jax.random.key(0)))
+  tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+  logits, _ = jax.eval_shape(lambda p, t: model.forward(p, t, jnp.ones_like(t), c), params, tokens)
+  assert logits.shape == (2, 16, 64)
+
+
+def test_qwen3_30b_a3b_parameter_count():
+  """30.5B parameters in all and 3.3B active per token, as Qwen reports."""
+  c = model_config(models.qwen3_30b_a3b())
+  params = jax.eval_shape(lambda: model.init_params(c, jax.random.key(0)))
+  total = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+  experts = sum(
+    int(np.prod(w.shape)) for layer in params.layers for w in (layer.mlp.gate, layer.mlp.up, layer.mlp.down)
+  )
+  active = total - experts + experts * c.num_experts_per_tok // c.num_experts
+  assert 30.4e9 < total < 30.6e9, total
+  assert 3.2e9 < active < 3.4e9, active
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_loadable_by_path_with_overrides(preset):
+  argv = ["prog", f"--model={MODELS_FILE}:{preset}", "--model.num_layers=2", "--model.rope_theta=5e5"]
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("model", None, flag_values=fv, sys_argv=argv)
+  fv(argv)
+  c = model_config(fv.model)
+  assert (c.num_layers, c.rope_theta) == (2, 5e5)
+  assert c.hidden_size == models.get_config(preset).hidden_size
+
+
+def test_unknown_preset():
+  with pytest.raises(ValueError, match="unknown preset 'qwen3_235b'"):
+    models.get_config("qwen3_235b")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize(
+  "overrides, field",
+  [
+    (dict(num_experts_per_tok=129), "model.num_experts_per_tok"),
+    (dict(num_kv_heads=3), "model.num_heads"),
+    (dict(head_dim=31), "model.head_dim"),
+    (dict(hidden_size=0), "model.hidden_size"),
+    (dict(mlp_only_layers=[99]), "model.mlp_only_layers"),
+    (dict(decoder_sparse_step=0), "model.decoder_sparse_step"),
+    (dict(moe_intermediate_size=0), "model.moe_intermediate_size"),
+  ],
+)
+def test_bad_values_name_the_field(preset, overrides, field):
+  cfg = models.get_config(preset)
+  cfg.update(overrides)
+  with pytest.raises(ConfigError, match=rf"config\.{field}\b"):
+    model_config(cfg)
+
+
+def test_unknown_field_is_named():
+  cfg = models.tiny()
+  cfg.num_expert = 4  # a typo of num_experts
+  with pytest.raises(ConfigError, match=r"config\.model\.num_expert\b.*unknown field"):
+    model_config(cfg)
+
+
+@pytest.mark.parametrize(
+  "overrides, fmt, field",
+  [
+    (dict(head_dim=40), "nvfp4", "model.head_dim"),
+    (dict(moe_intermediate_size=48), "mxfp4", "model.moe_intermediate_size"),
+    (dict(hidden_size=72, num_heads=4), "nvfp4", "model.hidden_size"),
+  ],
+)
+def test_quant_block_must_divide_dims(overrides, fmt, field):
+  cfg = models.tiny()
+  cfg.update(overrides)
+  with pytest.raises(ConfigError, match=rf"config\.{field}\b.*{fmt}"):
+    QuantConfig(fmt=fmt).check_dims(model_config(cfg))

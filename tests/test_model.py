@@ -1,0 +1,258 @@
+"""The trainer's model: MoE dispatch, masking, routing replay, QAT gradients, config checks.
+
+References: the dense MoE dispatch for the sorted one, the unpadded / unperturbed sequence
+for padding and causality, transformers' `load_balancing_loss_func` for the aux loss.
+"""
+
+import dataclasses
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+from trace_jax import model, moe, qat, quantizer
+from trace_jax.config import ConfigError, ModelConfig, QuantConfig, quant_config
+
+TINY = ModelConfig(
+  vocab_size=64,
+  hidden_size=64,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=32,
+  num_experts=8,
+  num_experts_per_tok=2,
+  moe_intermediate_size=32,
+  rope_theta=10_000.0,
+  initializer_range=0.1,  # O(1) logits and decisive routing
+)
+FP32 = qat.QatContext(compute_dtype=jnp.float32)
+QAT32 = qat.QatContext(QuantConfig(), compute_dtype=jnp.float32)
+GUIDED32 = qat.QatContext(QuantConfig(), guided=True, compute_dtype=jnp.float32)
+B, S = 2, 12
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 7))
+def _forward(params, tokens, mask, config, ctx, guidance, replay_ids, moe_impl):
+  return model.forward(
+    params, tokens, mask, config, ctx=ctx, guidance=guidance, replay_ids=replay_ids, moe_impl=moe_impl
+  )
+
+
+def fwd(params, tokens, mask, config, ctx=FP32, guidance=None, replay_ids=None, moe_impl="sorted"):
+  """One calling convention, so equal arguments hit the same compiled function."""
+  return _forward(params, tokens, mask, config, ctx, guidance, replay_ids, moe_impl)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return model.init_params(TINY, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def batch():
+  tokens = jax.random.randint(jax.random.key(1), (B, S), 0, TINY.vocab_size)
+  mask = jnp.ones((B, S), jnp.int32).at[1, :4].set(0)  # row 1 is left-padded
+  return tokens, mask
+
+
+def random_guidance(config: ModelConfig, key) -> tuple[dict, ...]:
+  """Mantissa-bit guidance for every guided tensor, laid out by position (as the rollout ships it)."""
+  k, d = config.num_experts_per_tok, config.head_dim
+  shapes = {
+    "moe_input": (B, S, config.hidden_size),
+    "moe_hidden": (B, S, k, config.moe_intermediate_size),
+    "key": (B, S, config.num_kv_heads, d),
+    "value": (B, S, config.num_kv_heads, d),
+  }
+  layers = []
+  for layer_key in jax.random.split(key, config.num_layers):
+    keys = dict(zip(shapes, jax.random.split(layer_key, len(shapes))))
+    layers.append(
+      {n: quantizer.make_guidance(jax.random.normal(keys[n], s), form="mantissa")[0] for n, s in shapes.items()}
+    )
+  return tuple(layers)
+
+
+@pytest.mark.parametrize("ctx_name", ["fp32", "qat", "qat_guided"])
+def test_sorted_and_dense_moe_agree(params, batch, ctx_name):
+  ctx = {"fp32": FP32, "qat": QAT32, "qat_guided": GUIDED32}[ctx_name]
+  guidance = random_guidance(TINY, jax.random.key(2)) if ctx.guided else None
+  out = {impl: fwd(params, *batch, TINY, ctx, guidance, moe_impl=impl) for impl in ("sorted", "dense")}
+  (l_sorted, a_sorted), (l_dense, a_dense) = out["sorted"], out["dense"]
+  np.testing.assert_allclose(l_sorted, l_dense, atol=2e-5, rtol=1e-5)
+  for t_sorted, t_dense in zip(a_sorted.topk_ids, a_dense.topk_ids):
+    np.testing.assert_array_equal(t_sorted, t_dense)
+  # Guidance rows follow their (token, slot) through the sort: the code agreement counts match.
+  chex.assert_trees_all_equal(a_sorted.quant_stats, a_dense.quant_stats)
+  if ctx.guided:
+    hidden = a_sorted.quant_stats[0]["moe_hidden"]
+    assert int(hidden.total) == int(batch[1].sum()) * TINY.num_experts_per_tok * TINY.moe_intermediate_size
+    # Guided rounding finds the rollout's mantissa bit except where one neighbour exists (a block's
+    # amax lands on 6; the random guidance may ask for the other bit there).
+    assert int(hidden.matches) >= 0.9 * int(hidden.total)
+
+
+@pytest.mark.parametrize("ctx", [FP32, QAT32], ids=["fp32", "qat"])
+def test_left_padding_leaves_real_tokens_unchanged(params, batch, ctx):
+  tokens, mask = batch
+  pad = 4
+  row = tokens[1, pad:][None]
+  unpadded, _ = fwd(params, row, jnp.ones_like(row), TINY, ctx)
+  padded, _ = fwd(params, tokens, mask, TINY, ctx)
+  np.testing.assert_allclose(padded[1, pad:], unpadded[0], atol=1e-5, rtol=1e-5)
+
+
+def test_causal_masking(params, batch):
+  tokens, mask = batch
+  j = 8
+  changed = tokens.at[:, j].set((tokens[:, j] + 1) % TINY.vocab_size)
+  before, _ = fwd(params, tokens, mask, TINY)
+  after, _ = fwd(params, changed, mask, TINY)
+  real = np.asarray(mask, bool)[..., None]  # pad rows attend uniformly to every key: not compared
+  np.testing.assert_allclose(np.where(real, before, 0)[:, :j], np.where(real, after, 0)[:, :j], atol=1e-6, rtol=0)
+  assert np.abs(before[:, j:] - after[:, j:]).max() > 1e-3
+
+
+@pytest.mark.parametrize("ctx", [FP32, QAT32], ids=["fp32", "qat"])
+def test_routing_replay_with_own_ids_is_exact(params, batch, ctx):
+  logits, aux = fwd(params, *batch, TINY, ctx)
+  replayed, aux_replayed = fwd(params, *batch, TINY, ctx, replay_ids=aux.topk_ids)
+  np.testing.assert_array_equal(logits, replayed)
+  np.testing.assert_array_equal(aux.topk_ids[0], aux_replayed.topk_ids[0])
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_route_matches_numpy(norm_topk_prob):
+  config = dataclasses.replace(TINY, norm_topk_prob=norm_topk_prob)
+  logits = np.asarray(jax.random.normal(jax.random.key(3), (16, TINY.num_experts)))
+  ids, weights = moe.route(jnp.asarray(logits), config, None)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  want_ids = np.argsort(-probs, axis=-1)[:, : TINY.num_experts_per_tok]
+  want = np.take_along_axis(probs, want_ids, -1)
+  if norm_topk_prob:
+    want = want / want.sum(-1, keepdims=True)
+  np.testing.assert_array_equal(ids, want_ids)
+  np.testing.assert_allclose(weights, want, rtol=1e-6)
+
+
+def test_norm_topk_prob_changes_logits(params, batch):
+  on, _ = fwd(params, *batch, TINY)
+  off, _ = fwd(params, *batch, dataclasses.replace(TINY, norm_topk_prob=False))
+  assert np.abs(on - off).max() > 1e-3
+
+
+def test_shared_expert_adds_gated_mlp():
+  config = dataclasses.replace(TINY, shared_expert_intermediate_size=32)
+  p = model.init_params(config, jax.random.key(4)).layers[0].mlp
+  x = jax.random.normal(jax.random.key(5), (10, config.hidden_size))
+  with_shared = moe.moe_block(p, x, config, FP32, {}).out
+  without = moe.moe_block(dataclasses.replace(p, shared=None, shared_gate=None), x, config, FP32, {}).out
+  gated = jax.nn.sigmoid(x @ p.shared_gate) * moe.mlp(p.shared, x, FP32, "shared_expert")
+  assert np.abs(with_shared - without).max() > 1e-3
+  np.testing.assert_allclose(with_shared - without, gated, atol=1e-6)
+
+
+def test_shared_expert_forward(batch):
+  config = dataclasses.replace(TINY, shared_expert_intermediate_size=32)
+  p = model.init_params(config, jax.random.key(4))
+  logits, _ = fwd(p, *batch, config)
+  layers = tuple(
+    dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, shared=None, shared_gate=None)) for layer in p.layers
+  )
+  without, _ = fwd(dataclasses.replace(p, layers=layers), *batch, config)
+  assert np.isfinite(logits).all() and np.abs(logits - without).max() > 1e-3
+
+
+@pytest.mark.parametrize(
+  "overrides, moe_layers",
+  [(dict(mlp_only_layers=(0,)), (1,)), (dict(decoder_sparse_step=2), (1,)), (dict(mlp_only_layers=(1,)), (0,))],
+)
+def test_dense_layers(batch, overrides, moe_layers):
+  config = dataclasses.replace(TINY, intermediate_size=48, **overrides)
+  assert config.moe_layers == moe_layers
+  p = model.init_params(config, jax.random.key(6))
+  logits, aux = fwd(p, *batch, config)
+  for i, layer in enumerate(p.layers):
+    assert isinstance(layer.mlp, moe.MoEParams if i in moe_layers else moe.MLPParams)
+    assert layer.mlp.gate.shape == ((8, 64, 32) if i in moe_layers else (64, 48))
+    assert (aux.router_logits[i] is None) == (i not in moe_layers)
+  assert np.isfinite(logits).all() and np.isfinite(aux.aux_loss)
+
+
+def test_sparse_step_selects_layers():
+  config = dataclasses.replace(TINY, num_layers=6, decoder_sparse_step=2, mlp_only_layers=(3,), intermediate_size=48)
+  assert config.moe_layers == (1, 5)
+
+
+@pytest.mark.parametrize(
+  "make, field",
+  [
+    (lambda: dataclasses.replace(TINY, num_experts_per_tok=9), "model.num_experts_per_tok"),
+    (lambda: dataclasses.replace(TINY, num_experts_per_tok=0), "model.num_experts_per_tok"),
+    (lambda: dataclasses.replace(TINY, num_heads=6, num_kv_heads=4), "model.num_heads"),
+    (lambda: dataclasses.replace(TINY, head_dim=33), "model.head_dim"),
+    (lambda: dataclasses.replace(TINY, mlp_only_layers=(5,)), "model.mlp_only_layers"),
+    (lambda: dataclasses.replace(TINY, mlp_only_layers=(0,)), "model.intermediate_size"),
+    (
+      lambda: QuantConfig().check_dims(dataclasses.replace(TINY, moe_intermediate_size=24)),
+      "model.moe_intermediate_size",
+    ),
+    (lambda: QuantConfig().check_dims(dataclasses.replace(TINY, head_dim=40)), "model.head_dim"),
+    (
+      lambda: QuantConfig(fmt="mxfp4").check_dims(dataclasses.replace(TINY, moe_intermediate_size=48)),
+      "model.moe_intermediate_size",
+    ),
+    (lambda: QuantConfig(targets=("experts", "lm_head")), "quant.targets"),
+    (lambda: QuantConfig(fmt="nvfp8"), "quant.fmt"),
+    (lambda: quant_config({"fmt": "nvfp4", "target": ["kv"]}), "quant.target"),
+  ],
+)
+def test_config_errors_name_the_field(make, field):
+  with pytest.raises(ConfigError, match=rf"config\.{field}\b"):
+    make()
+
+
+def test_quant_dims_pass_on_tiny():
+  QuantConfig().check_dims(TINY)
+  QuantConfig(targets=("experts", "kv", "attention")).check_dims(TINY)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_grads_flow_through_qat(batch, dtype):
+  tokens, mask = batch
+  config = dataclasses.replace(TINY, num_layers=1)  # one layer has every quantized tensor; compiles faster
+  params = model.init_params(config, jax.random.key(8))
+  ctx = qat.QatContext(QuantConfig(targets=("experts", "kv", "attention")), guided=True, compute_dtype=dtype)
+  guidance = random_guidance(config, jax.random.key(7))
+
+  @jax.jit
+  @jax.value_and_grad
+  def loss_and_grad(p):
+    logits, aux = model.forward(p, tokens, mask, config, ctx=ctx, guidance=guidance)
+    logp = model.token_logprobs(logits[:, :-1], tokens[:, 1:])
+    m = mask[:, 1:].astype(jnp.float32)
+    return -jnp.sum(logp * m) / jnp.sum(m) + config.router_aux_loss_coef * aux.aux_loss
+
+  loss, grads = loss_and_grad(params)
+  assert np.isfinite(loss)
+  for path, g in jax.tree_util.tree_leaves_with_path(grads):
+    name = jax.tree_util.keystr(path)
+    assert np.isfinite(g).all(), name
+    assert np.abs(g).max() > 0, f"zero gradient for {name}"
+
+
+def test_aux_loss_matches_transformers(params, batch):
+  tokens, mask = batch
+  for m in (mask, jnp.ones_like(mask)):
+    _, aux = fwd(params, tokens, m, TINY)
+    gate_logits = tuple(torch.tensor(np.asarray(r).reshape(B * S, -1)) for r in aux.router_logits)
+    attention_mask = None if bool(m.all()) else torch.tensor(np.asarray(m))
+    want = load_balancing_loss_func(gate_logits, TINY.num_experts, TINY.num_experts_per_tok, attention_mask)
+    np.testing.assert_allclose(aux.aux_loss, want.item(), rtol=1e-6)

@@ -1,0 +1,467 @@
+"""Hugging Face checkpoints in and out: config.json + *.safetensors <-> (ModelConfig, Params).
+
+Supported architectures: `Qwen3MoeForCausalLM` and `MixtralForCausalLM`, in the public on-disk
+layout (one tensor per expert, `model.layers.{i}.mlp.experts.{e}.gate_proj.weight` [I, H];
+Mixtral: `block_sparse_moe.experts.{e}.w1/w3/w2`), single-file or sharded with
+`model.safetensors.index.json`. The fused layout that transformers >= 5 holds in memory
+(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) is accepted too.
+`save_pretrained` writes the per-expert layout, which transformers reloads.
+
+Hugging Face linear weights are [out, in]; ours are [in, out] with heads split out:
+q [H, nh, D], k/v [H, nkv, D], o [nh, D, H], experts gate/up [E, H, I], down [E, I, H],
+router [H, E], embed [V, H], lm_head [H, V] (None when tied).
+Loaded parameters are host numpy arrays; place them with `jax.device_put(params, shardings)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors can read BF16)
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from trace_jax.config import ConfigError, ModelConfig
+from trace_jax.model import AttentionParams, LayerParams, Params
+from trace_jax.moe import MLPParams, MoEParams
+
+QWEN3_MOE = "Qwen3MoeForCausalLM"
+MIXTRAL = "MixtralForCausalLM"
+ARCHITECTURES = (QWEN3_MOE, MIXTRAL)
+
+# transformers' defaults for the fields a config.json may omit (Qwen3MoeConfig, MixtralConfig).
+_DEFAULTS = {
+  QWEN3_MOE: dict(
+    num_key_value_heads=4,
+    intermediate_size=6144,
+    norm_topk_prob=False,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    rope_theta=10_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    router_aux_loss_coef=0.001,
+    max_position_embeddings=32768,
+    initializer_range=0.02,
+  ),
+  MIXTRAL: dict(
+    num_key_value_heads=8,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    router_aux_loss_coef=0.001,
+    max_position_embeddings=131072,
+    initializer_range=0.02,
+  ),
+}
+_MODEL_TYPE = {QWEN3_MOE: "qwen3_moe", MIXTRAL: "mixtral"}
+# Per architecture: the MoE module name and the names of the expert gate/up/down projections.
+_EXPERTS = {
+  QWEN3_MOE: ("mlp", ("gate_proj", "up_proj", "down_proj")),
+  MIXTRAL: ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+# Tensors some checkpoints carry that the model does not use (recomputed or redundant).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+  """A checkpoint this loader cannot read faithfully: the message names the field or tensor."""
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json <-> ModelConfig
+
+
+def architecture_of(hf_config: Mapping[str, Any]) -> str:
+  archs = hf_config.get("architectures") or []
+  supported = [a for a in archs if a in ARCHITECTURES]
+  if not supported:
+    raise CheckpointError(
+      f"config.json: architectures = {archs} is not supported; this loader reads {list(ARCHITECTURES)}. "
+      "Convert the checkpoint to one of them, or add its weight mapping to trace_jax/hf.py."
+    )
+  return supported[0]
+
+
+def _rope_theta(hf: Mapping[str, Any], default: float) -> float:
+  """transformers 5 keeps RoPE under `rope_parameters`; older configs use `rope_theta`/`rope_scaling`."""
+  for field in ("rope_parameters", "rope_scaling"):
+    params = hf.get(field)
+    if not params:
+      continue
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+      raise CheckpointError(
+        f"config.json: {field}.rope_type = {rope_type!r} is not implemented (only plain RoPE); "
+        f"set {field} to null to run without RoPE scaling, or implement {rope_type!r} in attention.rope_tables."
+      )
+    if "rope_theta" in params:
+      return float(params["rope_theta"])
+  return float(hf.get("rope_theta", default))
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+  """ModelConfig from a parsed config.json; rejects features the model does not implement."""
+  arch = architecture_of(hf)
+  defaults = _DEFAULTS[arch]
+
+  def get(field: str):
+    if field in hf and hf[field] is not None:
+      return hf[field]
+    if field in defaults:
+      return defaults[field]
+    raise CheckpointError(f"config.json: required field {field!r} is missing for {arch}; add it to config.json.")
+
+  if hf.get("hidden_act", "silu") != "silu":
+    raise CheckpointError(
+      f"config.json: hidden_act = {hf['hidden_act']!r}; the experts implement SwiGLU ('silu') only."
+    )
+  if hf.get("attention_bias"):
+    raise CheckpointError("config.json: attention_bias = true; the attention projections here have no bias.")
+  window = hf.get("sliding_window") if (arch == MIXTRAL or hf.get("use_sliding_window")) else None
+  if window is not None and window < get("max_position_embeddings"):
+    raise CheckpointError(
+      f"config.json: sliding_window = {window} is not implemented (full causal attention only); "
+      "set it to null (or use_sliding_window = false) to load the model with full attention."
+    )
+
+  if arch == QWEN3_MOE:
+    counts = {k: hf[k] for k in ("num_experts", "num_local_experts") if hf.get(k) is not None}
+    if len(set(counts.values())) > 1:
+      raise CheckpointError(f"config.json: num_experts and num_local_experts disagree ({counts}); keep one.")
+    if not counts:
+      raise CheckpointError("config.json: required field 'num_experts' is missing for Qwen3MoeForCausalLM.")
+    moe = dict(
+      num_experts=next(iter(counts.values())),
+      moe_intermediate_size=get("moe_intermediate_size"),
+      intermediate_size=get("intermediate_size"),
+      norm_topk_prob=bool(get("norm_topk_prob")),
+      decoder_sparse_step=get("decoder_sparse_step"),
+      mlp_only_layers=tuple(get("mlp_only_layers")),
+      qk_norm=True,
+    )
+  else:  # Mixtral: every layer sparse, top-k weights renormalized, no QK-norm
+    moe = dict(
+      num_experts=get("num_local_experts"),
+      moe_intermediate_size=get("intermediate_size"),
+      intermediate_size=0,
+      norm_topk_prob=True,
+      qk_norm=False,
+    )
+  hidden, heads = get("hidden_size"), get("num_attention_heads")
+  try:
+    return ModelConfig(
+      vocab_size=get("vocab_size"),
+      hidden_size=hidden,
+      num_layers=get("num_hidden_layers"),
+      num_heads=heads,
+      num_kv_heads=get("num_key_value_heads"),
+      head_dim=hf.get("head_dim") or hidden // heads,
+      num_experts_per_tok=get("num_experts_per_tok"),
+      rope_theta=_rope_theta(hf, defaults["rope_theta"]),
+      rms_norm_eps=float(get("rms_norm_eps")),
+      tie_word_embeddings=bool(get("tie_word_embeddings")),
+      router_aux_loss_coef=float(get("router_aux_loss_coef")),
+      max_position_embeddings=get("max_position_embeddings"),
+      initializer_range=float(get("initializer_range")),
+      **moe,
+    )
+  except ConfigError as e:
+    raise CheckpointError(f"config.json describes an invalid model: {e}") from None
+
+
+def default_architecture(config: ModelConfig) -> str:
+  return QWEN3_MOE if config.qk_norm else MIXTRAL
+
+
+def config_to_hf(config: ModelConfig, architecture: str | None = None, dtype: str = "float32") -> dict[str, Any]:
+  """The config.json for `config` (transformers 4.x and 5.x read it)."""
+  arch = architecture or default_architecture(config)
+  _check_exportable(config, arch)
+  c = config
+  hf = dict(
+    architectures=[arch],
+    model_type=_MODEL_TYPE[arch],
+    vocab_size=c.vocab_size,
+    hidden_size=c.hidden_size,
+    num_hidden_layers=c.num_layers,
+    num_attention_heads=c.num_heads,
+    num_key_value_heads=c.num_kv_heads,
+    head_dim=c.head_dim,
+    num_experts_per_tok=c.num_experts_per_tok,
+    hidden_act="silu",
+    rms_norm_eps=c.rms_norm_eps,
+    rope_theta=c.rope_theta,
+    rope_parameters=dict(rope_type="default", rope_theta=c.rope_theta),
+    tie_word_embeddings=c.tie_word_embeddings,
+    router_aux_loss_coef=c.router_aux_loss_coef,
+    max_position_embeddings=c.max_position_embeddings,
+    initializer_range=c.initializer_range,
+    attention_dropout=0.0,
+    sliding_window=None,
+    use_cache=True,
+    dtype=dtype,
+    torch_dtype=dtype,
+  )
+  if arch == QWEN3_MOE:
+    hf.update(
+      num_experts=c.num_experts,
+      moe_intermediate_size=c.moe_intermediate_size,
+      intermediate_size=c.intermediate_size,
+      norm_topk_prob=c.norm_topk_prob,
+      decoder_sparse_step=c.decoder_sparse_step,
+      mlp_only_layers=list(c.mlp_only_layers),
+      attention_bias=False,
+      use_sliding_window=False,
+    )
+  else:
+    hf.update(num_local_experts=c.num_experts, intermediate_size=c.moe_intermediate_size, router_jitter_noise=0.0)
+  return hf
+
+
+def _check_exportable(config: ModelConfig, arch: str):
+  if arch not in ARCHITECTURES:
+    raise CheckpointError(f"architecture {arch!r} is not supported; expected one of {list(ARCHITECTURES)}.")
+  problems = []
+  if config.shared_expert_intermediate_size:
+    problems.append("shared_expert_intermediate_size > 0 (neither architecture has a shared expert)")
+  if arch == QWEN3_MOE and not config.qk_norm:
+    problems.append("qk_norm = False (Qwen3-MoE always has QK-norm)")
+  if arch == MIXTRAL:
+    if config.qk_norm:
+      problems.append("qk_norm = True (Mixtral has no QK-norm)")
+    if not config.norm_topk_prob:
+      problems.append("norm_topk_prob = False (Mixtral renormalizes the top-k weights)")
+    if len(config.moe_layers) != config.num_layers:
+      problems.append("dense MLP layers (Mixtral is sparse in every layer)")
+  if problems:
+    raise CheckpointError(f"cannot export as {arch}: config.model has " + "; ".join(problems) + ".")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor names and layouts
+
+
+def _moe_module(arch: str, layer: int, reader: _Reader | None = None) -> str:
+  """Mixtral checkpoints re-saved by transformers >= 5 without conversion use `mlp`."""
+  module = _EXPERTS[arch][0]
+  prefix = f"model.layers.{layer}."
+  if reader is not None and not reader.has(f"{prefix}{module}.gate.weight") and reader.has(f"{prefix}mlp.gate.weight"):
+    module = "mlp"
+  return prefix + module
+
+
+class _Reader:
+  """Tensors of a (possibly sharded) safetensors checkpoint, read lazily, with shape checks."""
+
+  def __init__(self, path: pathlib.Path, stack: contextlib.ExitStack):
+    self.path = path
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+      files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+      files = sorted(path.glob("*.safetensors"))
+    if not files:
+      raise CheckpointError(f"{path}: no *.safetensors files (and no model.safetensors.index.json).")
+    self._where = {}
+    for file in files:
+      if not file.exists():
+        raise CheckpointError(f"{index}: shard {file.name} is listed in weight_map but missing; copy it into {path}.")
+      handle = stack.enter_context(safe_open(file, framework="numpy"))
+      for name in handle.keys():
+        if name in self._where:
+          raise CheckpointError(f"{path}: tensor {name!r} appears in more than one shard.")
+        self._where[name] = handle
+    self.unused = set(self._where)
+
+  def has(self, name: str) -> bool:
+    return name in self._where
+
+  def get(self, name: str, shape: tuple[int, ...], hint: str) -> np.ndarray:
+    if name not in self._where:
+      raise CheckpointError(
+        f"{self.path}: tensor {name!r} is missing (expected shape {shape}, from config.json {hint}). "
+        "Re-export the checkpoint with all its tensors, or fix config.json if it describes another model."
+      )
+    actual = tuple(self._where[name].get_slice(name).get_shape())
+    if actual != shape:
+      raise CheckpointError(
+        f"{self.path}: tensor {name!r} has shape {actual}, but config.json ({hint}) implies {shape}; "
+        "make config.json match the checkpoint."
+      )
+    self.unused.discard(name)
+    return self._where[name].get_tensor(name)
+
+
+def _attention_shapes(c: ModelConfig):
+  hint = "hidden_size, num_attention_heads, num_key_value_heads, head_dim"
+  return hint, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+
+def _read_layer(r: _Reader, c: ModelConfig, arch: str, i: int, dtype) -> LayerParams:
+  h, p = c.hidden_size, f"model.layers.{i}."
+  cast = lambda a: np.ascontiguousarray(a, dtype=dtype)
+  hint, q_out, kv_out = _attention_shapes(c)
+  get = lambda name, shape, why=hint: r.get(p + name, shape, why)
+  attn = AttentionParams(
+    q=cast(get("self_attn.q_proj.weight", (q_out, h)).T.reshape(h, c.num_heads, c.head_dim)),
+    k=cast(get("self_attn.k_proj.weight", (kv_out, h)).T.reshape(h, c.num_kv_heads, c.head_dim)),
+    v=cast(get("self_attn.v_proj.weight", (kv_out, h)).T.reshape(h, c.num_kv_heads, c.head_dim)),
+    o=cast(get("self_attn.o_proj.weight", (h, q_out)).T.reshape(c.num_heads, c.head_dim, h)),
+    q_norm=cast(get("self_attn.q_norm.weight", (c.head_dim,), "head_dim")) if c.qk_norm else None,
+    k_norm=cast(get("self_attn.k_norm.weight", (c.head_dim,), "head_dim")) if c.qk_norm else None,
+  )
+  if c.is_moe_layer(i):
+    mlp = _read_experts(r, c, arch, i, cast)
+  else:  # a dense SwiGLU layer (Qwen3 mlp_only_layers / decoder_sparse_step)
+    n, why = c.intermediate_size, "hidden_size, intermediate_size"
+    mlp = MLPParams(
+      gate=cast(get("mlp.gate_proj.weight", (n, h), why).T),
+      up=cast(get("mlp.up_proj.weight", (n, h), why).T),
+      down=cast(get("mlp.down_proj.weight", (h, n), why).T),
+    )
+  return LayerParams(
+    input_norm=cast(get("input_layernorm.weight", (h,), "hidden_size")),
+    attn=attn,
+    post_attn_norm=cast(get("post_attention_layernorm.weight", (h,), "hidden_size")),
+    mlp=mlp,
+  )
+
+
+def _read_experts(r: _Reader, c: ModelConfig, arch: str, i: int, cast) -> MoEParams:
+  e, h, n = c.num_experts, c.hidden_size, c.moe_intermediate_size
+  module = _moe_module(arch, i, r)
+  why = "num_experts, hidden_size, moe_intermediate_size"
+  router = cast(r.get(f"{module}.gate.weight", (e, h), "num_experts, hidden_size").T)
+  names = _EXPERTS[arch][1]
+  fused = f"{module}.experts.gate_up_proj"
+  if not r.has(f"{module}.experts.0.{names[0]}.weight") and r.has(fused):
+    gate_up = r.get(fused, (e, 2 * n, h), why)
+    gate, up = gate_up[:, :n].transpose(0, 2, 1), gate_up[:, n:].transpose(0, 2, 1)
+    down = r.get(f"{module}.experts.down_proj", (e, h, n), why).transpose(0, 2, 1)
+  else:
+    stack = lambda name, shape: np.stack([r.get(f"{module}.experts.{j}.{name}.weight", shape, why).T for j in range(e)])
+    gate, up, down = stack(names[0], (n, h)), stack(names[1], (n, h)), stack(names[2], (h, n))
+  return MoEParams(router=router, gate=cast(gate), up=cast(up), down=cast(down))
+
+
+def load_pretrained(path: str | pathlib.Path, dtype=np.float32) -> tuple[ModelConfig, Params]:
+  """(ModelConfig, Params) from a Hugging Face checkpoint directory; weights cast to `dtype`.
+
+  Every tensor must be used: a missing, misshaped or unexpected tensor raises CheckpointError.
+  """
+  path = pathlib.Path(path)
+  config_file = path / "config.json"
+  if not config_file.exists():
+    raise CheckpointError(f"{path}: no config.json; a Hugging Face checkpoint directory needs one.")
+  hf = json.loads(config_file.read_text())
+  arch = architecture_of(hf)
+  c = config_from_hf(hf)
+  dtype = np.dtype(dtype)
+  with contextlib.ExitStack() as stack:
+    r = _Reader(path, stack)
+    cast = lambda a: np.ascontiguousarray(a, dtype=dtype)
+    embed = cast(r.get("model.embed_tokens.weight", (c.vocab_size, c.hidden_size), "vocab_size, hidden_size"))
+    layers = tuple(_read_layer(r, c, arch, i, dtype) for i in range(c.num_layers))
+    final_norm = cast(r.get("model.norm.weight", (c.hidden_size,), "hidden_size"))
+    if c.tie_word_embeddings:
+      lm_head = None
+      r.unused.discard("lm_head.weight")  # some exporters write the tied copy anyway
+    else:
+      why = "vocab_size, hidden_size, tie_word_embeddings = false"
+      lm_head = cast(r.get("lm_head.weight", (c.vocab_size, c.hidden_size), why).T)
+    unexpected = sorted(n for n in r.unused if not n.endswith(_IGNORED_SUFFIXES))
+    if unexpected:
+      raise CheckpointError(
+        f"{path}: {len(unexpected)} unexpected tensor(s) that {arch} as implemented here does not use, e.g. "
+        f"{unexpected[:5]}. The checkpoint holds parts this model lacks (biases, extra modules, or more "
+        "layers/experts than config.json says); fix config.json or remove them."
+      )
+  return c, Params(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+
+
+def state_dict(params: Params, config: ModelConfig, architecture: str | None = None) -> dict[str, np.ndarray]:
+  """Hugging Face tensor names -> [out, in] float arrays, experts one tensor each (the on-disk layout)."""
+  arch = architecture or default_architecture(config)
+  _check_exportable(config, arch)
+  c = config
+  host = lambda a: np.asarray(a)
+  out = {"model.embed_tokens.weight": host(params.embed), "model.norm.weight": host(params.final_norm)}
+  if params.lm_head is not None:
+    out["lm_head.weight"] = host(params.lm_head).T
+  elif not c.tie_word_embeddings:
+    raise CheckpointError("params.lm_head is None but config.model.tie_word_embeddings is False.")
+  for i, layer in enumerate(params.layers):
+    p, a = f"model.layers.{i}.", layer.attn
+    out[p + "input_layernorm.weight"] = host(layer.input_norm)
+    out[p + "post_attention_layernorm.weight"] = host(layer.post_attn_norm)
+    out[p + "self_attn.q_proj.weight"] = host(a.q).reshape(c.hidden_size, -1).T
+    out[p + "self_attn.k_proj.weight"] = host(a.k).reshape(c.hidden_size, -1).T
+    out[p + "self_attn.v_proj.weight"] = host(a.v).reshape(c.hidden_size, -1).T
+    out[p + "self_attn.o_proj.weight"] = host(a.o).reshape(-1, c.hidden_size).T
+    if a.q_norm is not None:
+      out[p + "self_attn.q_norm.weight"] = host(a.q_norm)
+      out[p + "self_attn.k_norm.weight"] = host(a.k_norm)
+    if isinstance(layer.mlp, MoEParams):
+      module, names = _moe_module(arch, i), _EXPERTS[arch][1]
+      out[f"{module}.gate.weight"] = host(layer.mlp.router).T
+      for weights, name in zip((layer.mlp.gate, layer.mlp.up, layer.mlp.down), names):
+        for j, w in enumerate(host(weights)):
+          out[f"{module}.experts.{j}.{name}.weight"] = w.T
+    else:
+      for name in ("gate", "up", "down"):
+        out[f"{p}mlp.{name}_proj.weight"] = host(getattr(layer.mlp, name)).T
+  return out
+
+
+def save_pretrained(
+  path: str | pathlib.Path,
+  config: ModelConfig,
+  params: Params,
+  *,
+  architecture: str | None = None,
+  dtype: str = "float32",
+  max_shard_bytes: int | None = None,
+):
+  """Write config.json + model.safetensors (or shards + model.safetensors.index.json).
+
+  architecture: default Qwen3MoeForCausalLM with QK-norm, MixtralForCausalLM without.
+  dtype: 'float32' (exact) or 'bfloat16'.
+  """
+  arch = architecture or default_architecture(config)
+  np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}.get(dtype)
+  if np_dtype is None:
+    raise CheckpointError(f"dtype {dtype!r} is not supported for export; use 'float32' or 'bfloat16'.")
+  tensors = {k: np.ascontiguousarray(v, dtype=np_dtype) for k, v in state_dict(params, config, arch).items()}
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  (path / "config.json").write_text(json.dumps(config_to_hf(config, arch, dtype), indent=2) + "\n")
+  metadata = {"format": "pt"}  # transformers refuses safetensors files without it
+  shards = [[]]
+  size = 0
+  for name, t in tensors.items():
+    if max_shard_bytes is not None and shards[-1] and size + t.nbytes > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(name)
+    size += t.nbytes
+  if len(shards) == 1:
+    save_file(tensors, str(path / "model.safetensors"), metadata=metadata)
+    return
+  weight_map = {}
+  for n, names in enumerate(shards, 1):
+    file = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+    save_file({k: tensors[k] for k in names}, str(path / file), metadata=metadata)
+    weight_map.update(dict.fromkeys(names, file))
+  total = sum(t.nbytes for t in tensors.values())
+  index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+  (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
