@@ -1,0 +1,418 @@
+"""FP4 weight matmul: x[M, K] (bf16) @ dequantize(w)^T, w packed [N, K/2] with block scales [N, K/bs].
+
+The weight is a `trace_jax.fp4.QuantizedArray` in the torch nn.Linear layout: one row per output
+feature, FP4 blocks along the input (contraction) axis, two E2M1 codes per byte with the even
+element in the low nibble. NVFP4 (blocks of 16, E4M3 scales, optional FP32 tensor scale) and MXFP4
+(blocks of 32, E8M0 scales) are both handled by the same kernel.
+
+Kernel design (Pallas, Triton lowering on GPU; the same kernel runs in interpret mode on CPU):
+  * Grid (m tiles, n tiles, k splits). Each program keeps a float32 [block_m, block_n] accumulator
+    and walks its share of K in `block_k` steps: load x[block_m, block_k] (bf16), the codes
+    [block_n, block_k/2] (uint8) and the scale bytes [block_n, block_k/bs] (uint8), decode,
+    `dot(x, w^T)` with float32 accumulation.
+  * Decoding uses only shifts, masks, compares and same-width int32->float32 bitcasts: Triton and
+    Mosaic GPU refuse width-changing bitcasts such as uint8 -> float4_e2m1fn. The two nibbles of a
+    byte are decoded separately and interleaved with `stack(..., axis=-1)` (a Triton `join`), the
+    same pattern Pallas itself uses to load int4.
+  * Scales enter the kernel as their raw bytes (a free same-width bitcast outside the kernel) and
+    are decoded arithmetically inside it. Converting them to float32 outside would quadruple the
+    scale traffic (0.25 instead of 0.0625 bytes per weight, +33% on top of the 0.5-byte codes) and
+    add a pass over the scales per call; an in-kernel float8 astype would depend on Triton's fp8
+    support (E4M3 needs sm_89+, E8M0 is not a Triton type at all).
+  * E2M1 x E4M3 and E2M1 x E8M0 products have at most 6 significant bits, so the dequantized weight
+    is exact in bf16 and the MMA runs bf16 x bf16 -> f32 with no rounding of the weight. The NVFP4
+    tensor scale multiplies the float32 accumulator once at the end instead of every weight.
+  * Rows of x are padded up to a multiple of block_m outside the kernel (x is small next to the
+    weights at decode); N and K must be multiples of block_n / block_k (a ValueError says which).
+  * Activation quantization (W4A4) runs as a jnp prologue, `fp4.dequantize(fp4.quantize(x))`, that
+    XLA fuses into one pass over x: bit-identical to the rollout's RTN quantizer by construction,
+    and its values are again exact in bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from trace_jax import fp4
+
+# Triton's MMA needs every dot dimension >= 16; the same minimum holds in interpret mode so that
+# what the CPU tests accept is what the GPU accepts.
+MIN_BLOCK = 16
+_GPU_SM_COUNT_FALLBACK = 132  # H100 / H200 SXM
+
+
+# --- arithmetic decoding (no lookup tables, no width-changing bitcasts) ---------------------------
+#
+# Each decoded quantity is a power of two times the true value, chosen so that it is one integer
+# op away from its bytes and exact: E2M1 codes become float16 values times 2^-14, E4M3 scales
+# float16 values times 2^-8 (both by moving their exponent/mantissa bits onto float16's, which
+# turns their subnormals into float16 subnormals), E8M0 scales exact bfloat16. Weight times scale
+# is then exact in bfloat16 (at most 6 significant bits), and the kernel multiplies the float32
+# accumulator by 2^WEIGHT_EXPONENT_OFFSET once at the end. This is about 2.5x fewer instructions
+# per weight than assembling float32 values with compares and selects (counted in the SASS of the
+# decode loop compiled for sm_90).
+
+E2M1_F16_EXPONENT = 14  # e2m1_to_f16_scaled gives value * 2^-14
+E4M3_F16_EXPONENT = 8  # e4m3_to_f16_scaled gives value * 2^-8
+
+
+def _from_bits16(bits: jax.Array, dtype) -> jax.Array:
+  return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), dtype)
+
+
+def e2m1_to_f16_scaled(codes: jax.Array, nibble: int = 0) -> jax.Array:
+  """E2M1 values of the low (nibble=0) or high (nibble=4) nibbles of uint8 `codes`, times 2^-14,
+  in float16: exponent bits go to float16 bits 10-11, the mantissa bit to bit 9, the sign to 15."""
+  c = codes.astype(jnp.uint16)
+  return _from_bits16(((c & (7 << nibble)) << (9 - nibble)) | ((c & (8 << nibble)) << (12 - nibble)), jnp.float16)
+
+
+def e4m3_to_f16_scaled(bits: jax.Array) -> jax.Array:
+  """float8_e4m3fn values from their bytes, times 2^-8, in float16 (exact); 0x7f/0xff are NaN."""
+  b = bits.astype(jnp.uint16)
+  value = _from_bits16(((b & 0x7F) << 7) | ((b & 0x80) << 8), jnp.float16)
+  return jnp.where((b & 0x7F) == 0x7F, jnp.nan, value)
+
+
+def e8m0_to_bf16(bits: jax.Array) -> jax.Array:
+  """float8_e8m0fnu values 2^(b - 127) from their bytes, exact in bfloat16 (2^-127 is a bfloat16
+  subnormal); 0xff is NaN."""
+  b = bits.astype(jnp.uint16)
+  return _from_bits16(jnp.where(b == 0, 0x0040, jnp.where(b == 0xFF, 0x7FC0, b << 7)), jnp.bfloat16)
+
+
+def weight_exponent_offset(fmt: fp4.Fp4Format) -> int:
+  """`dequantize_tile` returns weights times 2^-offset."""
+  return E2M1_F16_EXPONENT + (E4M3_F16_EXPONENT if fmt.name == "nvfp4" else 0)
+
+
+def dequantize_tile(codes: jax.Array, scale_bits: jax.Array, fmt: fp4.Fp4Format) -> jax.Array:
+  """[rows, k/2] packed codes and [rows, k/bs] scale bytes -> [rows, k] bfloat16 weights times
+  2^-weight_exponent_offset(fmt), exact (except MXFP4 blocks with scales below about 2^-110,
+  whose products leave bfloat16's range)."""
+  rows, half = codes.shape
+  num_blocks = scale_bits.shape[1]
+  if fmt.name == "nvfp4":
+    scales = e4m3_to_f16_scaled(scale_bits).astype(jnp.bfloat16)
+  else:
+    scales = e8m0_to_bf16(scale_bits)
+  scales = scales[:, :, None]
+  block_shape = (rows, num_blocks, half // num_blocks)
+  lo = e2m1_to_f16_scaled(codes, 0).astype(jnp.bfloat16).reshape(block_shape) * scales
+  hi = e2m1_to_f16_scaled(codes, 4).astype(jnp.bfloat16).reshape(block_shape) * scales
+  # Even elements sit in the low nibble: interleave lo/hi along the last axis.
+  return jnp.stack([lo, hi], axis=-1).reshape(rows, 2 * half)
+
+
+# --- tiles --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """Tile sizes and Triton launch options of one kernel call."""
+
+  block_m: int
+  block_n: int
+  block_k: int
+  k_splits: int = 1
+  num_warps: int = 4
+  num_stages: int = 3
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+  """Interpret mode unless we are on a GPU (the kernels are written for the Triton lowering)."""
+  return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
+
+
+def _is_power_of_two(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+def _largest_power_of_two_dividing(n: int, cap: int) -> int:
+  b = 1
+  while b * 2 <= cap and n % (b * 2) == 0:
+    b *= 2
+  return b
+
+
+def _sm_count() -> int:
+  return getattr(jax.devices()[0], "core_count", None) or _GPU_SM_COUNT_FALLBACK
+
+
+def default_tiles(m: int, n: int, k: int, fmt: fp4.Fp4Format, *, interpret: bool, split_k: bool = True) -> Tiles:
+  """Default tiles for x[m, k] @ w[n, k]^T.
+
+  GPU: decode-sized M (<= 16) uses 16 x 64 x 128 tiles, 4 warps and 4 pipeline stages, and splits K
+  across programs until there are about two programs per SM, since a 4096-wide layer has only 64
+  n-tiles for 132 SMs. Larger M uses 64 x 128 x 128. Interpret mode (CPU) runs grid steps one after
+  another, so it takes the largest tiles that divide the shape (fewer, bigger steps).
+  """
+  if interpret:
+    block_m = max(MIN_BLOCK, min(pl.next_power_of_2(m), 128))
+    block_n = _largest_power_of_two_dividing(n, 256)
+    block_k = _largest_power_of_two_dividing(k, 512)
+    return Tiles(block_m, block_n, block_k)
+  decode = m <= MIN_BLOCK
+  block_m = max(MIN_BLOCK, min(pl.next_power_of_2(m), 64))
+  block_n = _largest_power_of_two_dividing(n, 64 if decode else 128)
+  block_k = _largest_power_of_two_dividing(k, 128)
+  block_k = max(block_k, fmt.block_size)
+  k_splits = 1
+  if split_k:
+    programs = pl.cdiv(m, block_m) * max(n // block_n, 1)
+    k_tiles = max(k // block_k, 1)
+    while programs * k_splits < 2 * _sm_count() and k_tiles % (2 * k_splits) == 0 and k_splits < 8:
+      k_splits *= 2
+  return Tiles(block_m, block_n, block_k, k_splits, num_warps=4, num_stages=4 if decode else 3)
+
+
+def make_tiles(
+  m: int,
+  n: int,
+  k: int,
+  fmt: fp4.Fp4Format,
+  *,
+  interpret: bool,
+  block_m: int | None,
+  block_n: int | None,
+  block_k: int | None,
+  k_splits: int | None,
+  num_warps: int | None,
+  num_stages: int | None,
+  split_k: bool = True,
+) -> Tiles:
+  """Defaults overridden by the caller's choices, then checked against the shape."""
+  tiles = default_tiles(m, n, k, fmt, interpret=interpret, split_k=split_k)
+  chosen = dict(
+    block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps, num_stages=num_stages
+  )
+  tiles = dataclasses.replace(tiles, **{key: v for key, v in chosen.items() if v is not None})
+  check_tiles(tiles, n, k, fmt)
+  return tiles
+
+
+def check_tiles(tiles: Tiles, n: int, k: int, fmt: fp4.Fp4Format):
+  where = f"weight [N={n}, K={k}] ({fmt.name}) with tiles {tiles}"
+  for name in ("block_m", "block_n", "block_k"):
+    b = getattr(tiles, name)
+    if not _is_power_of_two(b) or b < MIN_BLOCK:
+      raise ValueError(f"{name}={b} must be a power of two >= {MIN_BLOCK} (Triton MMA tiles); {where}.")
+  if tiles.block_k % fmt.block_size:
+    raise ValueError(f"block_k={tiles.block_k} must be a multiple of the {fmt.name} block {fmt.block_size}; {where}.")
+  if n % tiles.block_n:
+    raise ValueError(f"N={n} is not a multiple of block_n={tiles.block_n}; pick a block_n dividing N. {where}.")
+  if k % tiles.block_k:
+    raise ValueError(f"K={k} is not a multiple of block_k={tiles.block_k}; pick a block_k dividing K. {where}.")
+  k_tiles = k // tiles.block_k
+  if tiles.k_splits < 1 or k_tiles % tiles.k_splits:
+    raise ValueError(f"k_splits={tiles.k_splits} must divide the {k_tiles} K tiles; {where}.")
+
+
+# --- shared pieces of both kernels --------------------------------------------------------------
+
+
+def check_weight(w: fp4.QuantizedArray, ndim: int, what: str):
+  if not isinstance(w, fp4.QuantizedArray):
+    raise TypeError(f"{what}: w must be a trace_jax.fp4.QuantizedArray, got {type(w).__name__}.")
+  if w.codes.ndim != ndim or w.codes.dtype != jnp.uint8:
+    raise ValueError(f"{what}: w.codes must be uint8 of rank {ndim}, got {w.codes.dtype}{list(w.codes.shape)}.")
+  k = w.shape[-1]
+  expected = (*w.codes.shape[:-1], k // w.fmt.block_size)
+  if k % w.fmt.block_size or tuple(w.scales.shape) != expected:
+    raise ValueError(
+      f"{what}: w.scales {list(w.scales.shape)} do not match codes {list(w.codes.shape)} "
+      f"({w.fmt.name}, blocks of {w.fmt.block_size} along K={k}); expected {list(expected)}."
+    )
+
+
+def prepare_activations(
+  x: jax.Array, quantize_activations: bool, fmt: str | fp4.Fp4Format | None, weight_fmt: fp4.Fp4Format
+) -> jax.Array:
+  """bf16 activations for the MMA; with `quantize_activations`, RTN FP4 fake-quant first (W4A4)."""
+  if quantize_activations:
+    return fp4.dequantize(fp4.quantize(x, weight_fmt if fmt is None else fmt), jnp.bfloat16)
+  return x.astype(jnp.bfloat16)
+
+
+def pad_rows(x: jax.Array, multiple: int) -> jax.Array:
+  pad = -x.shape[0] % multiple
+  return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+
+
+def scale_bytes(w: fp4.QuantizedArray) -> jax.Array:
+  return jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
+
+
+def tensor_scale_operand(w: fp4.QuantizedArray, shape: tuple[int, ...]) -> list[jax.Array]:
+  """The tensor scale as a float32 array of `shape` (one operand), or no operand at all."""
+  if w.tensor_scale is None:
+    return []
+  return [jnp.broadcast_to(jnp.asarray(w.tensor_scale, jnp.float32), shape)]
+
+
+def accumulate(
+  load: Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]],
+  first_k_tile: jax.Array,
+  num_k_tiles,
+  acc: jax.Array,
+  fmt: fp4.Fp4Format,
+) -> jax.Array:
+  """acc += x_tile @ dequant(w_tile)^T over K tiles [first, first + num); `load(k_tile)` gives the
+  bf16 x tile [bm, bk], the codes [bn, bk/2] and the scale bytes [bn, bk/bs]."""
+
+  def body(i, acc):
+    x, codes, scale_bits = load(first_k_tile + i)
+    w = dequantize_tile(codes, scale_bits, fmt)
+    return acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+  return jax.lax.fori_loop(0, num_k_tiles, body, acc)
+
+
+def k_slices(k_tile: jax.Array, block_k: int, block_size: int):
+  """Slices of x (elements), codes (bytes) and scales (blocks) for one K tile."""
+  return (
+    pl.ds(pl.multiple_of(k_tile * block_k, block_k), block_k),
+    pl.ds(pl.multiple_of(k_tile * (block_k // 2), block_k // 2), block_k // 2),
+    pl.ds(k_tile * (block_k // block_size), block_k // block_size),
+  )
+
+
+def compiler_params(tiles: Tiles):
+  return plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+# --- dense kernel -------------------------------------------------------------------------------
+
+
+def _fp4_matmul_kernel(x_ref, codes_ref, scales_ref, *rest, fmt: fp4.Fp4Format, tiles: Tiles, k_tiles_per_split: int):
+  *tensor_scale_ref, out_ref = rest
+
+  def load(k_tile):
+    xs, cs, ss = k_slices(k_tile, tiles.block_k, fmt.block_size)
+    return x_ref[:, xs], codes_ref[:, cs], scales_ref[:, ss]
+
+  acc = jnp.zeros((tiles.block_m, tiles.block_n), jnp.float32)
+  acc = accumulate(load, pl.program_id(2) * k_tiles_per_split, k_tiles_per_split, acc, fmt)
+  acc = acc * 2.0 ** weight_exponent_offset(fmt)
+  if tensor_scale_ref:
+    acc = acc * tensor_scale_ref[0][0, 0]
+  out_ref[...] = acc.astype(out_ref.dtype)
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "quantize_activations",
+    "activation_format",
+    "block_m",
+    "block_n",
+    "block_k",
+    "k_splits",
+    "num_warps",
+    "num_stages",
+    "out_dtype",
+    "interpret",
+  ),
+)
+def fp4_matmul(
+  x: jax.Array,
+  w: fp4.QuantizedArray,
+  *,
+  quantize_activations: bool = False,
+  activation_format: str | fp4.Fp4Format | None = None,
+  block_m: int | None = None,
+  block_n: int | None = None,
+  block_k: int | None = None,
+  k_splits: int | None = None,
+  num_warps: int | None = None,
+  num_stages: int | None = None,
+  out_dtype=jnp.bfloat16,
+  interpret: bool | None = None,
+) -> jax.Array:
+  """x[M, K] @ dequantize(w)^T -> [M, N] in `out_dtype`, float32 accumulation.
+
+  Args:
+    x: activations [M, K], bf16 (other float dtypes are rounded to bf16 first).
+    w: packed weight, codes [N, K/2] and scales [N, K/bs] (NVFP4 or MXFP4), optional tensor scale.
+    quantize_activations: fake-quantize x with RTN to FP4 first (W4A4, as the rollout engine does).
+    activation_format: FP4 format for x when quantized; default: the weight's format.
+    block_m, block_n, block_k: tile sizes (powers of two >= 16; defaults from `default_tiles`).
+    k_splits: split K across this many programs (partial sums added outside the kernel).
+    num_warps, num_stages: Triton launch options (ignored in interpret mode).
+    out_dtype: output dtype.
+    interpret: run the Pallas interpreter; default: True unless the backend is GPU.
+  """
+  check_weight(w, 2, "fp4_matmul")
+  if x.ndim != 2 or x.shape[1] != w.shape[1]:
+    raise ValueError(f"fp4_matmul: x must be [M, K={w.shape[1]}] for weight {list(w.shape)}; got {list(x.shape)}.")
+  (m, k), n = x.shape, w.shape[0]
+  interpret = resolve_interpret(interpret)
+  tiles = make_tiles(
+    m,
+    n,
+    k,
+    w.fmt,
+    interpret=interpret,
+    block_m=block_m,
+    block_n=block_n,
+    block_k=block_k,
+    k_splits=k_splits,
+    num_warps=num_warps,
+    num_stages=num_stages,
+  )
+  x = pad_rows(prepare_activations(x, quantize_activations, activation_format, w.fmt), tiles.block_m)
+  m_padded = x.shape[0]
+  splits = tiles.k_splits
+  num_blocks = k // w.fmt.block_size
+
+  in_specs = [
+    pl.BlockSpec((tiles.block_m, k), lambda i, j, s: (i, 0)),
+    pl.BlockSpec((tiles.block_n, k // 2), lambda i, j, s: (j, 0)),
+    pl.BlockSpec((tiles.block_n, num_blocks), lambda i, j, s: (j, 0)),
+  ]
+  operands = [x, w.codes, scale_bytes(w)]
+  if w.tensor_scale is not None:
+    in_specs.append(pl.BlockSpec((1, 1), lambda i, j, s: (0, 0)))
+    operands += tensor_scale_operand(w, (1, 1))
+  if splits == 1:
+    out_shape = jax.ShapeDtypeStruct((m_padded, n), out_dtype)
+    out_spec = pl.BlockSpec((tiles.block_m, tiles.block_n), lambda i, j, s: (i, j))
+  else:
+    out_shape = jax.ShapeDtypeStruct((splits, m_padded, n), jnp.float32)
+    out_spec = pl.BlockSpec((None, tiles.block_m, tiles.block_n), lambda i, j, s: (s, i, j))
+
+  kernel = functools.partial(_fp4_matmul_kernel, fmt=w.fmt, tiles=tiles, k_tiles_per_split=k // tiles.block_k // splits)
+  out = pl.pallas_call(
+    kernel,
+    out_shape=out_shape,
+    grid=(m_padded // tiles.block_m, n // tiles.block_n, splits),
+    in_specs=in_specs,
+    out_specs=out_spec,
+    compiler_params=compiler_params(tiles),
+    interpret=interpret,
+    name=f"fp4_matmul_{w.fmt.name}",
+  )(*operands)
+  if splits > 1:
+    out = out.sum(axis=0).astype(out_dtype)
+  return out[:m]
+
+
+def fp4_matmul_reference(
+  x: jax.Array,
+  w: fp4.QuantizedArray,
+  *,
+  quantize_activations: bool = False,
+  activation_format: str | fp4.Fp4Format | None = None,
+  out_dtype=jnp.bfloat16,
+) -> jax.Array:
+  """Plain jnp: bf16 x (fake-quantized if asked) @ fp4.dequantize(w)^T in float32."""
+  xq = prepare_activations(x, quantize_activations, activation_format, w.fmt).astype(jnp.float32)
+  out = jnp.dot(xq, fp4.dequantize(w).T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  return out.astype(out_dtype)

@@ -1,0 +1,274 @@
+"""Pallas FP4 kernels against their jnp references, in interpret mode on CPU.
+
+Every kernel configuration is compiled once (group sizes are traced, so one compiled grouped
+kernel serves several groupings). The CUDA lowering test runs the Pallas -> Triton lowering on
+CPU, which catches what the Triton backend refuses (non power-of-two blocks, unsupported ops)
+without a GPU.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from absl import logging
+
+import pallas_kernels
+from pallas_kernels import fp4_matmul as dense
+from pallas_kernels import grouped_fp4_matmul as grouped
+from trace_jax import fp4
+
+INTERPRET = True
+
+# (format, tensor scale): NVFP4 single- and two-level, MXFP4.
+WEIGHT_FORMATS = [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)]
+
+
+# Jitted once per shape: eager jnp would compile every primitive of the quantizer separately.
+_quantize = jax.jit(fp4.quantize, static_argnums=1)
+_dense_reference = jax.jit(
+  dense.fp4_matmul_reference, static_argnames=("quantize_activations", "activation_format", "out_dtype")
+)
+_grouped_reference = jax.jit(
+  grouped.grouped_fp4_matmul_reference, static_argnames=("quantize_activations", "activation_format", "out_dtype")
+)
+
+
+def _weights(shape, fmt, with_tensor_scale, seed=0):
+  w = 2.0 * np.random.default_rng(seed).standard_normal(shape, np.float32)
+  amax = np.abs(w).max() if with_tensor_scale else None
+  return _quantize(w, fmt, tensor_amax=amax)
+
+
+def _activations(m, k, seed=1):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal((m, k), np.float32), jnp.bfloat16)
+
+
+def _assert_close(actual, expected):
+  actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+  # Same exact products on both sides; only the float32 summation order differs.
+  np.testing.assert_allclose(actual, expected, rtol=2e-5, atol=2e-5 * max(1.0, np.abs(expected).max()))
+
+
+# --- decoding -----------------------------------------------------------------------------------
+
+BYTES = np.arange(256, dtype=np.uint8)
+
+
+def test_e2m1_decode_every_byte():
+  # fp4.E2M1_VALUES is checked against ml_dtypes' float4_e2m1fn in test_fp4.py.
+  expected_lo = fp4.E2M1_VALUES[BYTES & 0xF]
+  expected_hi = fp4.E2M1_VALUES[BYTES >> 4]
+  for nibble, expected in ((0, expected_lo), (4, expected_hi)):
+    got = np.asarray(dense.e2m1_to_f16_scaled(jnp.asarray(BYTES), nibble), np.float32) * 2.0**dense.E2M1_F16_EXPONENT
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(expected))
+
+
+def test_e4m3_decode_every_byte():
+  expected = BYTES.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  got = np.asarray(dense.e4m3_to_f16_scaled(jnp.asarray(BYTES)), np.float32) * 2.0**dense.E4M3_F16_EXPONENT
+  np.testing.assert_array_equal(got, expected)  # NaN == NaN for assert_array_equal
+
+
+def test_e8m0_decode_every_byte():
+  expected = BYTES.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+  got = np.asarray(dense.e8m0_to_bf16(jnp.asarray(BYTES)), np.float32)
+  np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_dequantize_tile_matches_fp4_dequantize(fmt):
+  w = _weights((16, 128), fmt, False)
+  tile = dense.dequantize_tile(w.codes, dense.scale_bytes(w), w.fmt)
+  assert tile.dtype == jnp.bfloat16
+  got = np.asarray(tile, np.float32) * 2.0 ** dense.weight_exponent_offset(w.fmt)
+  np.testing.assert_array_equal(got, np.asarray(fp4.dequantize(w)))
+
+
+# --- dense kernel -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt,with_tensor_scale", WEIGHT_FORMATS)
+@pytest.mark.parametrize(
+  "m,k,n,quantize_activations",
+  [(1, 64, 32, False), (8, 256, 128, True), (33, 256, 32, False), (33, 64, 128, True), (1, 256, 128, True)],
+)
+def test_fp4_matmul_matches_reference(m, k, n, quantize_activations, fmt, with_tensor_scale):
+  w = _weights((n, k), fmt, with_tensor_scale)
+  x = _activations(m, k)
+  kw = dict(quantize_activations=quantize_activations, out_dtype=jnp.float32)
+  out = dense.fp4_matmul(x, w, interpret=INTERPRET, **kw)
+  assert out.shape == (m, n) and out.dtype == jnp.float32
+  _assert_close(out, _dense_reference(x, w, **kw))
+
+
+@pytest.mark.parametrize("fmt,with_tensor_scale", WEIGHT_FORMATS)
+def test_fp4_matmul_smallest_tiles_and_split_k(fmt, with_tensor_scale):
+  w = _weights((32, 256), fmt, with_tensor_scale)
+  x = _activations(33, 256)
+  block_k = fp4.get_format(fmt).block_size
+  out = dense.fp4_matmul(
+    x, w, block_m=16, block_n=16, block_k=block_k, k_splits=2, out_dtype=jnp.float32, interpret=INTERPRET
+  )
+  _assert_close(out, _dense_reference(x, w, out_dtype=jnp.float32))
+
+
+def test_fp4_matmul_bf16_output():
+  w = _weights((64, 128), "nvfp4", True)
+  x = _activations(8, 128)
+  out = dense.fp4_matmul(x, w, interpret=INTERPRET)
+  assert out.dtype == jnp.bfloat16
+  expected = _dense_reference(x, w, out_dtype=jnp.float32)
+  # One bf16 rounding of the same float32 value, up to summation order.
+  np.testing.assert_allclose(np.asarray(out, np.float32), expected, rtol=2**-7, atol=1e-3)
+
+
+def test_fp4_matmul_activation_quantization_is_rtn_fake_quant():
+  w = _weights((32, 64), "nvfp4", False)
+  x = _activations(8, 64)
+  xq = fp4.dequantize(_quantize(x, "nvfp4"), jnp.bfloat16)
+  a = dense.fp4_matmul(x, w, quantize_activations=True, out_dtype=jnp.float32, interpret=INTERPRET)
+  b = dense.fp4_matmul(xq, w, out_dtype=jnp.float32, interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+  "n,k,x_k,options,match",
+  [
+    (48, 64, 64, dict(block_n=32), r"N=48 is not a multiple of block_n=32"),
+    (32, 96, 96, dict(block_k=64), r"K=96 is not a multiple of block_k=64"),
+    (32, 64, 64, dict(block_m=8), r"block_m=8 must be a power of two >= 16"),
+    (32, 64, 64, dict(block_n=24), r"block_n=24 must be a power of two"),
+    (32, 128, 128, dict(block_k=32, k_splits=3), r"k_splits=3 must divide the 4 K tiles"),
+    (32, 64, 32, dict(), r"x must be \[M, K=64\]"),
+    (24, 64, 64, dict(), r"block_n=8 must be a power of two >= 16.*N=24"),
+  ],
+)
+def test_fp4_matmul_rejects_bad_shapes(n, k, x_k, options, match):
+  w = _weights((n, k), "nvfp4", False)
+  with pytest.raises(ValueError, match=match):
+    dense.fp4_matmul(_activations(4, x_k), w, interpret=INTERPRET, **options)
+
+
+def test_mxfp4_block_k_must_hold_whole_blocks():
+  w = _weights((32, 64), "mxfp4", False)
+  with pytest.raises(ValueError, match=r"block_k=16 must be a multiple of the mxfp4 block 32"):
+    dense.fp4_matmul(_activations(4, 64), w, block_k=16, interpret=INTERPRET)
+
+
+# --- grouped kernel -----------------------------------------------------------------------------
+
+# Ragged groups with empty ones, groups off the 16-row tiles, rows past the total, everything in
+# one group, nothing at all, and exactly M rows.
+GROUPINGS_33 = [[5, 0, 20, 0, 3], [0, 0, 33, 0, 0], [0, 0, 0, 0, 0], [16, 16, 1, 0, 0], [1, 1, 1, 1, 1]]
+
+
+def _check_grouped(x, w, groupings, **options):
+  run = jax.jit(functools.partial(grouped.grouped_fp4_matmul, out_dtype=jnp.float32, interpret=INTERPRET, **options))
+  quantize_activations = options.get("quantize_activations", False)
+  for sizes in groupings:
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    out = run(x, group_sizes, w)
+    expected = _grouped_reference(x, group_sizes, w, quantize_activations=quantize_activations, out_dtype=jnp.float32)
+    _assert_close(out, expected)
+    assert not np.asarray(out[sum(sizes) :]).any(), f"rows past the total must be zero for {sizes}"
+
+
+@pytest.mark.parametrize("fmt,with_tensor_scale", WEIGHT_FORMATS)
+@pytest.mark.parametrize("quantize_activations", [False, True])
+def test_grouped_fp4_matmul_matches_reference(fmt, with_tensor_scale, quantize_activations):
+  w = _weights((5, 32, 256), fmt, with_tensor_scale)
+  x = _activations(33, 256)
+  _check_grouped(x, w, GROUPINGS_33, quantize_activations=quantize_activations)
+
+
+def test_grouped_fp4_matmul_per_expert_tensor_scales():
+  w = 2.0 * np.random.default_rng(0).standard_normal((5, 32, 64), np.float32) * np.arange(1, 6)[:, None, None]
+  w = _quantize(w, "nvfp4", tensor_amax=np.abs(w).max(axis=(1, 2), keepdims=True))  # tensor scale [E, 1, 1]
+  _check_grouped(_activations(33, 64), w, GROUPINGS_33[:2])
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_grouped_fp4_matmul_smallest_tiles(fmt):
+  w = _weights((5, 16, 64), fmt, False)
+  block_k = fp4.get_format(fmt).block_size
+  _check_grouped(_activations(33, 64), w, GROUPINGS_33, block_m=16, block_n=16, block_k=block_k)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 64, 128), (8, 256, 32)])
+def test_grouped_fp4_matmul_shapes(m, k, n):
+  w = _weights((4, n, k), "nvfp4", True)
+  _check_grouped(_activations(m, k), w, [[0, m, 0, 0], [0, 0, 0, 0], [1, 0, 0, m - 1]])
+
+
+def test_group_metadata_covers_every_row_once():
+  sizes = jnp.asarray([5, 0, 20, 0, 3], jnp.int32)
+  meta = np.asarray(grouped.make_group_metadata(sizes, 33, 48, 16))
+  tile, group, start, end = meta
+  covered = np.zeros(48, int)
+  for t, s, e in zip(tile, start, end):
+    assert t * 16 <= s <= e <= (t + 1) * 16
+    covered[s:e] += 1
+  np.testing.assert_array_equal(covered, 1)
+  assert meta.shape[1] == 48 // 16 + 5  # m tiles + E visits at most
+  np.testing.assert_array_equal(group[:5], [0, 2, 2, 4, 5])  # 5: rows past the total
+
+
+def test_grouped_fp4_matmul_rejects_bad_inputs():
+  w = _weights((4, 32, 64), "nvfp4", False)
+  x = _activations(8, 64)
+  with pytest.raises(ValueError, match=r"group_sizes must be integer \[4\]"):
+    grouped.grouped_fp4_matmul(x, jnp.ones(3, jnp.int32), w, interpret=INTERPRET)
+  with pytest.raises(ValueError, match=r"N=32 is not a multiple of block_n=64"):
+    grouped.grouped_fp4_matmul(x, jnp.ones(4, jnp.int32), w, block_n=64, interpret=INTERPRET)
+  with pytest.raises(ValueError, match=r"codes must be uint8 of rank 3"):
+    grouped.grouped_fp4_matmul(x, jnp.ones(4, jnp.int32), _weights((32, 64), "nvfp4", False), interpret=INTERPRET)
+
+
+# --- dispatch -----------------------------------------------------------------------------------
+
+
+def test_packed_matmul_dispatch(monkeypatch):
+  w = _weights((32, 64), "nvfp4", True)
+  x = _activations(6, 64).reshape(2, 3, 64)
+  messages = []
+  monkeypatch.setattr(logging, "info", lambda msg, *args: messages.append(msg % args))
+  pallas_kernels._log_selection.cache_clear()
+  auto = pallas_kernels.packed_matmul(x, w, out_dtype=jnp.float32)
+  pallas_kernels.packed_matmul(x, w, out_dtype=jnp.float32)
+  kernel = pallas_kernels.packed_matmul(x, w, impl="pallas", out_dtype=jnp.float32, interpret=INTERPRET)
+  assert auto.shape == (2, 3, 32) and pallas_kernels.packed_matmul(x, w).dtype == jnp.bfloat16
+  _assert_close(kernel, auto)
+  # Once per implementation: on CPU the reference (auto, twice) then the kernel; on GPU the kernel.
+  chosen = ["pallas"] if jax.default_backend() == "gpu" else ["reference", "pallas"]
+  backend = jax.default_backend()
+  assert messages == [f"packed_matmul: using the {impl} implementation (backend {backend})." for impl in chosen]
+  with pytest.raises(ValueError, match="impl must be"):
+    pallas_kernels.packed_matmul(x, w, impl="triton")
+
+
+def test_grouped_packed_matmul_dispatch():
+  w = _weights((4, 32, 64), "mxfp4", False)
+  x = _activations(9, 64)
+  sizes = jnp.asarray([3, 0, 4, 1], jnp.int32)
+  auto = pallas_kernels.grouped_packed_matmul(x, sizes, w, out_dtype=jnp.float32)
+  kernel = pallas_kernels.grouped_packed_matmul(x, sizes, w, impl="pallas", out_dtype=jnp.float32, interpret=INTERPRET)
+  _assert_close(kernel, auto)
+
+
+# --- GPU lowering without a GPU -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt,with_tensor_scale", [("nvfp4", True), ("mxfp4", False)])
+def test_kernels_lower_to_triton(fmt, with_tensor_scale):
+  lower = lambda f, *args: jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  x = jnp.zeros((8, 768), jnp.bfloat16)
+  w = _weights((256, 768), fmt, with_tensor_scale)
+  text = lower(functools.partial(dense.fp4_matmul, interpret=False, quantize_activations=True), x, w)
+  assert "__gpu$xla.gpu.triton" in text
+  experts = _weights((4, 64, 768), fmt, with_tensor_scale)
+  text = lower(functools.partial(grouped.grouped_fp4_matmul, interpret=False), x, jnp.ones(4, jnp.int32), experts)
+  assert "__gpu$xla.gpu.triton" in text
