@@ -146,13 +146,17 @@ def _sm_count() -> int:
   return getattr(jax.devices()[0], "core_count", None) or _GPU_SM_COUNT_FALLBACK
 
 
-def default_tiles(m: int, n: int, k: int, fmt: fp4.Fp4Format, *, interpret: bool, split_k: bool = True) -> Tiles:
-  """Default tiles for x[m, k] @ w[n, k]^T.
+def default_tiles(
+  m: int, n: int, k: int, fmt: fp4.Fp4Format, *, interpret: bool, split_k: bool = True, parallel: int = 1
+) -> Tiles:
+  """Default tiles for x[m, k] @ w[n, k]^T (`parallel` such products in one grid: the experts).
 
-  GPU: decode-sized M (<= 16) uses 16 x 64 x 128 tiles, 4 warps and 4 pipeline stages, and splits K
-  across programs until there are about two programs per SM, since a 4096-wide layer has only 64
-  n-tiles for 132 SMs. Larger M uses 64 x 128 x 128. Interpret mode (CPU) runs grid steps one after
-  another, so it takes the largest tiles that divide the shape (fewer, bigger steps).
+  GPU: block_m covers M up to 64 (16 at decode), block_k = 128. Decoding weights is the
+  bottleneck at small M (each weight tile is decoded once per m tile), so the grid should give
+  every SM work: block_n shrinks from 64 (128 for M > 16) down to 32 and then K is split across
+  programs until there are about two programs per SM, as long as the float32 partial sums that
+  split K writes and reads back stay under 1/8 of the weight bytes. Interpret mode (CPU) runs
+  grid steps one after another, so it takes the largest tiles that divide the shape.
   """
   if interpret:
     block_m = max(MIN_BLOCK, min(pl.next_power_of_2(m), 128))
@@ -162,13 +166,21 @@ def default_tiles(m: int, n: int, k: int, fmt: fp4.Fp4Format, *, interpret: bool
   decode = m <= MIN_BLOCK
   block_m = max(MIN_BLOCK, min(pl.next_power_of_2(m), 64))
   block_n = _largest_power_of_two_dividing(n, 64 if decode else 128)
-  block_k = _largest_power_of_two_dividing(k, 128)
-  block_k = max(block_k, fmt.block_size)
+  block_k = max(_largest_power_of_two_dividing(k, 128), fmt.block_size)
+  target = 2 * _sm_count()
+  programs = lambda bn, splits: parallel * pl.cdiv(m, block_m) * max(n // bn, 1) * splits
+  while block_n > 32 and programs(block_n, 1) < target:
+    block_n //= 2
   k_splits = 1
   if split_k:
-    programs = pl.cdiv(m, block_m) * max(n // block_n, 1)
     k_tiles = max(k // block_k, 1)
-    while programs * k_splits < 2 * _sm_count() and k_tiles % (2 * k_splits) == 0 and k_splits < 8:
+    weight_bytes = n * k * (0.5 + 1 / fmt.block_size)
+    partial_bytes = lambda splits: splits * pl.cdiv(m, block_m) * block_m * n * 8
+    while (
+      programs(block_n, k_splits) < target
+      and k_tiles % (2 * k_splits) == 0
+      and partial_bytes(2 * k_splits) <= weight_bytes / 8
+    ):
       k_splits *= 2
   return Tiles(block_m, block_n, block_k, k_splits, num_warps=4, num_stages=4 if decode else 3)
 
@@ -187,9 +199,10 @@ def make_tiles(
   num_warps: int | None,
   num_stages: int | None,
   split_k: bool = True,
+  parallel: int = 1,
 ) -> Tiles:
   """Defaults overridden by the caller's choices, then checked against the shape."""
-  tiles = default_tiles(m, n, k, fmt, interpret=interpret, split_k=split_k)
+  tiles = default_tiles(m, n, k, fmt, interpret=interpret, split_k=split_k, parallel=parallel)
   chosen = dict(
     block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps, num_stages=num_stages
   )

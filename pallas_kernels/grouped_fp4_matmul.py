@@ -152,8 +152,9 @@ def grouped_fp4_matmul(
     )
   m = x.shape[0]
   interpret = dense.resolve_interpret(interpret)
+  # Tiles cover the rows of one group: at decode an expert sees a few rows, not M.
   tiles = dense.make_tiles(
-    m,
+    pl.cdiv(m, num_groups),
     n,
     k,
     w.fmt,
@@ -165,6 +166,7 @@ def grouped_fp4_matmul(
     num_warps=num_warps,
     num_stages=num_stages,
     split_k=False,
+    parallel=num_groups,
   )
   x = dense.pad_rows(dense.prepare_activations(x, quantize_activations, activation_format, w.fmt), tiles.block_m)
   m_padded = x.shape[0]

@@ -1,0 +1,277 @@
+"""Benchmark: BF16 matmul against the Pallas FP4 kernels at decode and MoE shapes (written for an H200).
+
+  python experiments/bench_fp4_matmul.py            # on a GPU: the full tables (a few minutes)
+  python experiments/bench_fp4_matmul.py --sweep    # also try a few tile configs per shape
+  python experiments/bench_fp4_matmul.py --smoke    # anywhere: tiny shapes, Pallas interpret mode
+
+Dense (nn.Linear, weight [N, K]): x[M, K] bf16 with M in {1, 8, 64}, K = N in {4096, 8192}:
+  bf16         jnp.dot(x, w.T) with bf16 weights (XLA / cuBLAS)
+  fp4 w4a16    fp4_matmul(x, nvfp4 weight): packed codes + E4M3 scales dequantized in the kernel
+  fp4 w4a4     the same with quantize_activations=True (RTN NVFP4 fake-quant prologue on x)
+Grouped (MoE experts, E=128, top-8, hidden 2048, expert intermediate 768; gate_up [E, 1536, 2048]
+and down [E, 2048, 768]), T tokens in {8, 64, 256} routed uniformly at random:
+  bf16         jax.lax.ragged_dot with bf16 weights [E, K, N]
+  fp4          grouped_fp4_matmul (NVFP4)
+
+Timing. Each jitted call runs the op on `calls` different inputs in one dispatch (no loop, so XLA
+cannot hoist anything; different x per call, so it cannot merge calls), cycling over enough copies
+of the weights that consecutive reads of one copy are separated by >= 3x the 50 MB L2: times are
+HBM-bound steady state, like a decode step that walks all layers. Warmup runs first; every timed
+repetition ends in block_until_ready; the median over repetitions is reported.
+
+Bytes are what the op must read and write: weights (codes + scales for FP4; for grouped only the
+experts that got rows) + activations + output. GB/s is bytes / time, against the measured copy
+bandwidth of the device (a device-to-device copy of 2 GiB: read + write) and the nominal 4.8 TB/s.
+"speedup" is bf16 time / fp4 time; "vs roof" is the bf16 roofline time (bf16 bytes at the
+measured copy bandwidth) over the fp4 time. The issue's goal: >= 2.5x at M <= 16.
+
+`err` is max |kernel - jnp reference| / max |reference| (reference: fp4.dequantize + float32 dot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import fp4_matmul as dense
+from pallas_kernels import grouped_fp4_matmul as grouped
+from trace_jax import fp4
+
+NOMINAL_BW = 4.8e12  # H200 HBM3e
+L2_BYTES = 50 * 2**20
+GOAL = 2.5
+
+DENSE_CONFIGS = [  # --sweep: tried on top of the defaults
+  dict(block_n=32),
+  dict(block_n=128),
+  dict(block_k=256),
+  dict(block_n=32, block_k=256),
+  dict(k_splits=1),
+  dict(k_splits=4),
+  dict(num_warps=8),
+  dict(num_stages=3),
+  dict(num_stages=6),
+]
+GROUPED_CONFIGS = [dict(block_n=32), dict(block_n=128), dict(block_k=256), dict(num_warps=8), dict(num_stages=4)]
+
+
+@dataclasses.dataclass
+class Setup:
+  smoke: bool
+  interpret: bool
+  reps: int
+  calls: int  # op calls per timed dispatch
+
+
+def _median_seconds(fn, args, setup: Setup) -> float:
+  jax.block_until_ready(fn(*args))  # compile + warm up
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(setup.reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t)
+  return statistics.median(times) / setup.calls
+
+
+def _copies(tree, n: int):
+  """n distinct device copies of an array pytree (a fresh buffer each)."""
+  return [tree] + [jax.tree.map(jnp.copy, tree) for _ in range(n - 1)]
+
+
+def _num_copies(bytes_per_call: int, setup: Setup) -> int:
+  if setup.smoke:
+    return 2
+  return max(1, min(setup.calls, math.ceil(3 * L2_BYTES / bytes_per_call)))
+
+
+def _time_op(op, xs, weights, setup: Setup, *extra) -> float:
+  """Seconds per op(x, w, *extra) with x cycling over xs and w over weights."""
+
+  @jax.jit
+  def run(xs, weights, *extra):
+    return tuple(op(x, weights[i % len(weights)], *extra) for i, x in enumerate(xs))
+
+  return _median_seconds(run, (xs, weights, *extra), setup)
+
+
+def _rel_err(actual, expected) -> float:
+  a, e = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+  return float(np.abs(a - e).max() / max(np.abs(e).max(), 1e-30))
+
+
+def measure_copy_bandwidth(setup: Setup) -> float:
+  n = 2**20 if setup.smoke else 2**30  # bf16 elements: 2 GiB on a GPU
+  a = jnp.ones((n,), jnp.bfloat16)
+  copy = jax.jit(lambda a: a + 1)  # one read + one write
+  seconds = _median_seconds(copy, (a,), dataclasses.replace(setup, calls=1))
+  return 2 * a.nbytes / seconds
+
+
+def _fmt_row(cols, widths):
+  return "  ".join(str(c).rjust(w) for c, w in zip(cols, widths))
+
+
+def bench_dense(setup: Setup, copy_bw: float, sweep: bool):
+  shapes = [(1, 256), (8, 256)] if setup.smoke else [(m, k) for k in (4096, 8192) for m in (1, 8, 64)]
+  header = ["M", "K=N", "bf16 us", "GB/s", "w4a16 us", "GB/s", "%copy", "w4a4 us", "speedup", "vs roof", "err"]
+  widths = [4, 6, 9, 7, 9, 7, 6, 9, 8, 8, 8]
+  print("\nDense  x[M,K] @ w[N,K]^T  (NVFP4 weights, bf16 out)")
+  print(_fmt_row(header, widths))
+  rng = np.random.default_rng(0)
+  for m, k in shapes:
+    n = k
+    w = jnp.asarray(rng.standard_normal((n, k), np.float32))
+    w_bf16 = w.astype(jnp.bfloat16)
+    wq = jax.jit(fp4.quantize, static_argnums=1)(w, "nvfp4")
+    del w
+    xs = [jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16) for _ in range(setup.calls)]
+    act_bytes = m * k * 2 + m * n * 2
+    bf16_bytes = n * k * 2 + act_bytes
+    fp4_bytes = wq.nbytes + act_bytes
+
+    bf16_t = _time_op(lambda x, w: jnp.dot(x, w.T), xs, _copies(w_bf16, _num_copies(bf16_bytes, setup)), setup)
+    del w_bf16
+    fp4_weights = _copies(wq, _num_copies(fp4_bytes, setup))
+    kernel = functools.partial(dense.fp4_matmul, interpret=setup.interpret)
+    w4a16_t = _time_op(kernel, xs, fp4_weights, setup)
+    w4a4_t = _time_op(functools.partial(kernel, quantize_activations=True), xs, fp4_weights, setup)
+    err = _rel_err(kernel(xs[0], wq), dense.fp4_matmul_reference(xs[0], wq))
+    roof = bf16_bytes / copy_bw
+    print(
+      _fmt_row(
+        [
+          m,
+          k,
+          f"{bf16_t * 1e6:.1f}",
+          f"{bf16_bytes / bf16_t / 1e9:.0f}",
+          f"{w4a16_t * 1e6:.1f}",
+          f"{fp4_bytes / w4a16_t / 1e9:.0f}",
+          f"{100 * fp4_bytes / w4a16_t / copy_bw:.0f}",
+          f"{w4a4_t * 1e6:.1f}",
+          f"{bf16_t / w4a16_t:.2f}x",
+          f"{roof / w4a16_t:.2f}x",
+          f"{err:.1e}",
+        ],
+        widths,
+      )
+    )
+    if sweep:
+      tiles = dense.default_tiles(m, n, k, wq.fmt, interpret=setup.interpret)
+      print(f"      defaults {tiles}")
+      for cfg in DENSE_CONFIGS:
+        t = _time_op(functools.partial(kernel, **cfg), xs, fp4_weights, setup)
+        print(f"      {cfg}: {t * 1e6:.1f} us, {fp4_bytes / t / 1e9:.0f} GB/s, {bf16_t / t:.2f}x")
+
+
+def _route(tokens: int, num_experts: int, top_k: int, rng) -> np.ndarray:
+  """Group sizes of `tokens` tokens each routed to top_k distinct experts uniformly at random."""
+  experts = np.argsort(rng.random((tokens, num_experts)), axis=1)[:, :top_k]
+  return np.bincount(experts.ravel(), minlength=num_experts).astype(np.int32)
+
+
+def bench_grouped(setup: Setup, copy_bw: float, sweep: bool):
+  if setup.smoke:
+    num_experts, top_k, hidden, inter, token_counts = 8, 2, 256, 64, (8,)
+  else:
+    num_experts, top_k, hidden, inter, token_counts = 128, 8, 2048, 768, (8, 64, 256)
+  layers = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}  # (N, K)
+  header = ["layer", "T", "rows", "experts", "bf16 us", "GB/s", "fp4 us", "GB/s", "%copy", "speedup", "vs roof", "err"]
+  widths = [7, 4, 5, 7, 9, 7, 9, 7, 6, 8, 8, 8]
+  print(f"\nGrouped MoE  E={num_experts} top-{top_k} hidden={hidden} expert intermediate={inter}  (NVFP4, bf16 out)")
+  print(_fmt_row(header, widths))
+  rng = np.random.default_rng(1)
+  for name, (n, k) in layers.items():
+    w = jax.random.normal(jax.random.PRNGKey(0), (num_experts, n, k), jnp.float32)
+    w_bf16 = jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16)  # [E, K, N] for ragged_dot
+    wq = jax.jit(fp4.quantize, static_argnums=1)(w, "nvfp4")
+    del w
+    for tokens in token_counts:
+      sizes = _route(tokens, num_experts, top_k, rng)
+      rows, active = int(sizes.sum()), int((sizes > 0).sum())
+      group_sizes = jnp.asarray(sizes)
+      xs = [jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16) for _ in range(setup.calls)]
+      act_bytes = rows * k * 2 + rows * n * 2
+      bf16_bytes = active * n * k * 2 + act_bytes
+      fp4_bytes = active * (n * k // 2 + n * k // wq.fmt.block_size) + act_bytes
+
+      bf16_weights = _copies(w_bf16, _num_copies(bf16_bytes, setup))
+      ragged = lambda x, w, g: jax.lax.ragged_dot(x, w, g)
+      try:
+        bf16_t = _time_op(ragged, xs, bf16_weights, setup, group_sizes)
+      except Exception as e:  # report it and go on with the FP4 kernel
+        print(f"      bf16 ragged_dot failed: {type(e).__name__}: {str(e)[:200]}")
+        bf16_t = float("nan")
+      del bf16_weights
+      fp4_weights = _copies(wq, _num_copies(fp4_bytes, setup))
+      kernel = lambda x, w, g, **cfg: grouped.grouped_fp4_matmul(x, g, w, interpret=setup.interpret, **cfg)
+      fp4_t = _time_op(kernel, xs, fp4_weights, setup, group_sizes)
+      err = _rel_err(kernel(xs[0], wq, group_sizes), grouped.grouped_fp4_matmul_reference(xs[0], group_sizes, wq))
+      roof = bf16_bytes / copy_bw
+      print(
+        _fmt_row(
+          [
+            name,
+            tokens,
+            rows,
+            active,
+            f"{bf16_t * 1e6:.1f}",
+            f"{bf16_bytes / bf16_t / 1e9:.0f}",
+            f"{fp4_t * 1e6:.1f}",
+            f"{fp4_bytes / fp4_t / 1e9:.0f}",
+            f"{100 * fp4_bytes / fp4_t / copy_bw:.0f}",
+            f"{bf16_t / fp4_t:.2f}x",
+            f"{roof / fp4_t:.2f}x",
+            f"{err:.1e}",
+          ],
+          widths,
+        )
+      )
+      if sweep:
+        for cfg in GROUPED_CONFIGS:
+          t = _time_op(functools.partial(kernel, **cfg), xs, fp4_weights, setup, group_sizes)
+          print(f"      {cfg}: {t * 1e6:.1f} us, {fp4_bytes / t / 1e9:.0f} GB/s, {bf16_t / t:.2f}x")
+      del fp4_weights
+    del w_bf16, wq
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes in Pallas interpret mode (any backend)")
+  parser.add_argument("--sweep", action="store_true", help="also time a few tile configurations per shape")
+  parser.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement")
+  parser.add_argument("--calls", type=int, default=32, help="op calls per timed dispatch")
+  parser.add_argument("--only", choices=["dense", "grouped"], help="run one table")
+  args = parser.parse_args(argv)
+
+  backend = jax.default_backend()
+  if not args.smoke and backend != "gpu":
+    sys.exit(f"No GPU (JAX backend: {backend}). Run with --smoke for a functional check in interpret mode.")
+  if args.smoke:
+    setup = Setup(smoke=True, interpret=True, reps=2, calls=2)
+    print(f"SMOKE MODE on {backend}: tiny shapes, Pallas interpret mode. Timings are NOT meaningful;")
+    print("this checks that the benchmark runs end to end and that the kernels match their references.")
+  else:
+    setup = Setup(smoke=False, interpret=False, reps=args.reps, calls=args.calls)
+  print(f"jax {jax.__version__}, device: {jax.devices()[0].device_kind} ({backend})")
+
+  copy_bw = measure_copy_bandwidth(setup)
+  print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s measured; nominal {NOMINAL_BW / 1e9:.0f} GB/s")
+  if args.only in (None, "dense"):
+    bench_dense(setup, copy_bw, args.sweep)
+  if args.only in (None, "grouped"):
+    bench_grouped(setup, copy_bw, args.sweep)
+  print(f"\nGoal: fp4 / bf16 speedup >= {GOAL}x at M <= 16 (dense) and at decode-sized T (grouped).")
+
+
+if __name__ == "__main__":
+  main()
