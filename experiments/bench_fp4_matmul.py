@@ -1,17 +1,18 @@
 """Benchmark: BF16 matmul against the Pallas FP4 kernels at decode and MoE shapes (written for an H200).
 
   python experiments/bench_fp4_matmul.py            # on a GPU: the full tables (a few minutes)
-  python experiments/bench_fp4_matmul.py --sweep    # also try a few tile configs per shape
+  python experiments/bench_fp4_matmul.py --sweep    # + tile configs at K=N=4096 and T=8 (~5 more minutes)
   python experiments/bench_fp4_matmul.py --smoke    # anywhere: tiny shapes, Pallas interpret mode
 
 Dense (nn.Linear, weight [N, K]): x[M, K] bf16 with M in {1, 8, 64}, K = N in {4096, 8192}:
   bf16         jnp.dot(x, w.T) with bf16 weights (XLA / cuBLAS)
   fp4 w4a16    fp4_matmul(x, nvfp4 weight): packed codes + E4M3 scales dequantized in the kernel
-  fp4 w4a4     the same with quantize_activations=True (RTN NVFP4 fake-quant prologue on x)
+  ptx          the same with ptx_decode=True (codes decoded by inline PTX byte permutes; GPU only)
+  fp4 w4a4     fp4_matmul with quantize_activations=True (RTN NVFP4 fake-quant prologue on x)
 Grouped (MoE experts, E=128, top-8, hidden 2048, expert intermediate 768; gate_up [E, 1536, 2048]
 and down [E, 2048, 768]), T tokens in {8, 64, 256} routed uniformly at random:
   bf16         jax.lax.ragged_dot with bf16 weights [E, K, N]
-  fp4          grouped_fp4_matmul (NVFP4)
+  fp4          grouped_fp4_matmul (NVFP4); ptx: with ptx_decode=True
 
 Timing. Each jitted call runs the op on `calls` different inputs in one dispatch (no loop, so XLA
 cannot hoist anything; different x per call, so it cannot merge calls), cycling over enough copies
@@ -22,10 +23,12 @@ repetition ends in block_until_ready; the median over repetitions is reported.
 Bytes are what the op must read and write: weights (codes + scales for FP4; for grouped only the
 experts that got rows) + activations + output. GB/s is bytes / time, against the measured copy
 bandwidth of the device (a device-to-device copy of 2 GiB: read + write) and the nominal 4.8 TB/s.
-"speedup" is bf16 time / fp4 time; "vs roof" is the bf16 roofline time (bf16 bytes at the
-measured copy bandwidth) over the fp4 time. The issue's goal: >= 2.5x at M <= 16.
+"speedup" is bf16 time / the faster fp4 (w4a16 or ptx) time; "vs roof" is the bf16 roofline time
+(bf16 bytes at the measured copy bandwidth) over that fp4 time. The issue's goal: >= 2.5x at M <= 16.
 
-`err` is max |kernel - jnp reference| / max |reference| (reference: fp4.dequantize + float32 dot).
+`err` / `ptx err` are max |kernel - jnp reference| / max |reference| (reference: fp4.dequantize +
+float32 dot); about 4e-3 (one bf16 rounding of the output) is right, anything larger is a bug.
+In --smoke mode the ptx columns are skipped (inline PTX cannot run in interpret mode).
 """
 
 from __future__ import annotations
@@ -51,17 +54,19 @@ L2_BYTES = 50 * 2**20
 GOAL = 2.5
 
 DENSE_CONFIGS = [  # --sweep: tried on top of the defaults
-  dict(block_n=32),
+  dict(block_k=128),
+  dict(block_k=512),
+  dict(block_n=64),
   dict(block_n=128),
-  dict(block_k=256),
-  dict(block_n=32, block_k=256),
   dict(k_splits=1),
   dict(k_splits=4),
   dict(num_warps=8),
   dict(num_stages=3),
-  dict(num_stages=6),
 ]
-GROUPED_CONFIGS = [dict(block_n=32), dict(block_n=128), dict(block_k=256), dict(num_warps=8), dict(num_stages=4)]
+GROUPED_CONFIGS = [dict(block_n=32), dict(block_n=128), dict(block_k=256), dict(num_warps=8), dict(num_stages=3)]
+# Every configuration is tried with both decodes.
+DENSE_CONFIGS = [dict(cfg, ptx_decode=ptx) for ptx in (False, True) for cfg in DENSE_CONFIGS]
+GROUPED_CONFIGS = [dict(cfg, ptx_decode=ptx) for ptx in (False, True) for cfg in GROUPED_CONFIGS]
 
 
 @dataclasses.dataclass
@@ -109,6 +114,10 @@ def _rel_err(actual, expected) -> float:
   return float(np.abs(a - e).max() / max(np.abs(e).max(), 1e-30))
 
 
+def _error(kernel, *, args, expected) -> float:
+  return _rel_err(kernel(*args), expected)
+
+
 def measure_copy_bandwidth(setup: Setup) -> float:
   n = 2**20 if setup.smoke else 2**30  # bf16 elements: 2 GiB on a GPU
   a = jnp.ones((n,), jnp.bfloat16)
@@ -121,10 +130,25 @@ def _fmt_row(cols, widths):
   return "  ".join(str(c).rjust(w) for c, w in zip(cols, widths))
 
 
+def _us(seconds: float) -> str:
+  return "n/a" if math.isnan(seconds) else f"{seconds * 1e6:.1f}"
+
+
+def _sweep(name, kernel, xs, weights, setup: Setup, configs, fp4_bytes, bf16_t, check, *extra):
+  for cfg in configs:
+    try:
+      t = _time_op(functools.partial(kernel, **cfg), xs, weights, setup, *extra)
+      err = check(functools.partial(kernel, **cfg))
+      print(f"      {name} {cfg}: {t * 1e6:.1f} us, {fp4_bytes / t / 1e9:.0f} GB/s, {bf16_t / t:.2f}x, err {err:.1e}")
+    except Exception as e:  # a configuration the backend refuses: say so and go on
+      print(f"      {name} {cfg}: failed: {type(e).__name__}: {str(e)[:300]}")
+
+
 def bench_dense(setup: Setup, copy_bw: float, sweep: bool):
   shapes = [(1, 256), (8, 256)] if setup.smoke else [(m, k) for k in (4096, 8192) for m in (1, 8, 64)]
-  header = ["M", "K=N", "bf16 us", "GB/s", "w4a16 us", "GB/s", "%copy", "w4a4 us", "speedup", "vs roof", "err"]
-  widths = [4, 6, 9, 7, 9, 7, 6, 9, 8, 8, 8]
+  header = ["M", "K=N", "bf16 us", "GB/s", "w4a16 us", "GB/s", "%copy", "ptx us", "GB/s", "w4a4 us", "speedup"]
+  header += ["vs roof", "err", "ptx err"]
+  widths = [4, 6, 9, 7, 9, 7, 6, 8, 7, 9, 8, 8, 8, 8]
   print("\nDense  x[M,K] @ w[N,K]^T  (NVFP4 weights, bf16 out)")
   print(_fmt_row(header, widths))
   rng = np.random.default_rng(0)
@@ -143,34 +167,23 @@ def bench_dense(setup: Setup, copy_bw: float, sweep: bool):
     del w_bf16
     fp4_weights = _copies(wq, _num_copies(fp4_bytes, setup))
     kernel = functools.partial(dense.fp4_matmul, interpret=setup.interpret)
-    w4a16_t = _time_op(kernel, xs, fp4_weights, setup)
+    expected = dense.fp4_matmul_reference(xs[0], wq)
+    check = functools.partial(_error, args=(xs[0], wq), expected=expected)
+    w4a16_t, err = _time_op(kernel, xs, fp4_weights, setup), check(kernel)
+    ptx_t, ptx_err = float("nan"), float("nan")
+    if not setup.interpret:
+      ptx = functools.partial(kernel, ptx_decode=True)
+      ptx_t, ptx_err = _time_op(ptx, xs, fp4_weights, setup), check(ptx)
     w4a4_t = _time_op(functools.partial(kernel, quantize_activations=True), xs, fp4_weights, setup)
-    err = _rel_err(kernel(xs[0], wq), dense.fp4_matmul_reference(xs[0], wq))
-    roof = bf16_bytes / copy_bw
-    print(
-      _fmt_row(
-        [
-          m,
-          k,
-          f"{bf16_t * 1e6:.1f}",
-          f"{bf16_bytes / bf16_t / 1e9:.0f}",
-          f"{w4a16_t * 1e6:.1f}",
-          f"{fp4_bytes / w4a16_t / 1e9:.0f}",
-          f"{100 * fp4_bytes / w4a16_t / copy_bw:.0f}",
-          f"{w4a4_t * 1e6:.1f}",
-          f"{bf16_t / w4a16_t:.2f}x",
-          f"{roof / w4a16_t:.2f}x",
-          f"{err:.1e}",
-        ],
-        widths,
-      )
-    )
-    if sweep:
-      tiles = dense.default_tiles(m, n, k, wq.fmt, interpret=setup.interpret)
-      print(f"      defaults {tiles}")
-      for cfg in DENSE_CONFIGS:
-        t = _time_op(functools.partial(kernel, **cfg), xs, fp4_weights, setup)
-        print(f"      {cfg}: {t * 1e6:.1f} us, {fp4_bytes / t / 1e9:.0f} GB/s, {bf16_t / t:.2f}x")
+    best = np.nanmin([w4a16_t, ptx_t])
+    row = [m, k, _us(bf16_t), f"{bf16_bytes / bf16_t / 1e9:.0f}", _us(w4a16_t), f"{fp4_bytes / w4a16_t / 1e9:.0f}"]
+    row += [f"{100 * fp4_bytes / best / copy_bw:.0f}", _us(ptx_t), f"{fp4_bytes / ptx_t / 1e9:.0f}", _us(w4a4_t)]
+    row += [f"{bf16_t / best:.2f}x", f"{bf16_bytes / copy_bw / best:.2f}x", f"{err:.1e}", f"{ptx_err:.1e}"]
+    print(_fmt_row(row, widths))
+    if sweep and (k == shapes[0][1]):
+      print(f"      defaults {dense.default_tiles(m, n, k, wq.fmt, interpret=setup.interpret)}")
+      configs = [c for c in DENSE_CONFIGS if not (setup.interpret and c["ptx_decode"])]
+      _sweep("dense", kernel, xs, fp4_weights, setup, configs, fp4_bytes, bf16_t, check)
 
 
 def _route(tokens: int, num_experts: int, top_k: int, rng) -> np.ndarray:
@@ -185,8 +198,9 @@ def bench_grouped(setup: Setup, copy_bw: float, sweep: bool):
   else:
     num_experts, top_k, hidden, inter, token_counts = 128, 8, 2048, 768, (8, 64, 256)
   layers = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}  # (N, K)
-  header = ["layer", "T", "rows", "experts", "bf16 us", "GB/s", "fp4 us", "GB/s", "%copy", "speedup", "vs roof", "err"]
-  widths = [7, 4, 5, 7, 9, 7, 9, 7, 6, 8, 8, 8]
+  header = ["layer", "T", "rows", "experts", "bf16 us", "GB/s", "fp4 us", "GB/s", "%copy", "ptx us", "speedup"]
+  header += ["vs roof", "err", "ptx err"]
+  widths = [7, 4, 5, 7, 9, 7, 9, 7, 6, 8, 8, 8, 8, 8]
   print(f"\nGrouped MoE  E={num_experts} top-{top_k} hidden={hidden} expert intermediate={inter}  (NVFP4, bf16 out)")
   print(_fmt_row(header, widths))
   rng = np.random.default_rng(1)
@@ -205,41 +219,29 @@ def bench_grouped(setup: Setup, copy_bw: float, sweep: bool):
       fp4_bytes = active * (n * k // 2 + n * k // wq.fmt.block_size) + act_bytes
 
       bf16_weights = _copies(w_bf16, _num_copies(bf16_bytes, setup))
-      ragged = lambda x, w, g: jax.lax.ragged_dot(x, w, g)
       try:
-        bf16_t = _time_op(ragged, xs, bf16_weights, setup, group_sizes)
+        bf16_t = _time_op(lambda x, w, g: jax.lax.ragged_dot(x, w, g), xs, bf16_weights, setup, group_sizes)
       except Exception as e:  # report it and go on with the FP4 kernel
         print(f"      bf16 ragged_dot failed: {type(e).__name__}: {str(e)[:200]}")
         bf16_t = float("nan")
       del bf16_weights
       fp4_weights = _copies(wq, _num_copies(fp4_bytes, setup))
       kernel = lambda x, w, g, **cfg: grouped.grouped_fp4_matmul(x, g, w, interpret=setup.interpret, **cfg)
-      fp4_t = _time_op(kernel, xs, fp4_weights, setup, group_sizes)
-      err = _rel_err(kernel(xs[0], wq, group_sizes), grouped.grouped_fp4_matmul_reference(xs[0], group_sizes, wq))
-      roof = bf16_bytes / copy_bw
-      print(
-        _fmt_row(
-          [
-            name,
-            tokens,
-            rows,
-            active,
-            f"{bf16_t * 1e6:.1f}",
-            f"{bf16_bytes / bf16_t / 1e9:.0f}",
-            f"{fp4_t * 1e6:.1f}",
-            f"{fp4_bytes / fp4_t / 1e9:.0f}",
-            f"{100 * fp4_bytes / fp4_t / copy_bw:.0f}",
-            f"{bf16_t / fp4_t:.2f}x",
-            f"{roof / fp4_t:.2f}x",
-            f"{err:.1e}",
-          ],
-          widths,
-        )
-      )
-      if sweep:
-        for cfg in GROUPED_CONFIGS:
-          t = _time_op(functools.partial(kernel, **cfg), xs, fp4_weights, setup, group_sizes)
-          print(f"      {cfg}: {t * 1e6:.1f} us, {fp4_bytes / t / 1e9:.0f} GB/s, {bf16_t / t:.2f}x")
+      expected = grouped.grouped_fp4_matmul_reference(xs[0], group_sizes, wq)
+      check = functools.partial(_error, args=(xs[0], wq, group_sizes), expected=expected)
+      fp4_t, err = _time_op(kernel, xs, fp4_weights, setup, group_sizes), check(kernel)
+      ptx_t, ptx_err = float("nan"), float("nan")
+      if not setup.interpret:
+        ptx = functools.partial(kernel, ptx_decode=True)
+        ptx_t, ptx_err = _time_op(ptx, xs, fp4_weights, setup, group_sizes), check(ptx)
+      best = np.nanmin([fp4_t, ptx_t])
+      row = [name, tokens, rows, active, _us(bf16_t), f"{bf16_bytes / bf16_t / 1e9:.0f}", _us(fp4_t)]
+      row += [f"{fp4_bytes / fp4_t / 1e9:.0f}", f"{100 * fp4_bytes / best / copy_bw:.0f}", _us(ptx_t)]
+      row += [f"{bf16_t / best:.2f}x", f"{bf16_bytes / copy_bw / best:.2f}x", f"{err:.1e}", f"{ptx_err:.1e}"]
+      print(_fmt_row(row, widths))
+      if sweep and tokens == token_counts[0]:
+        configs = [c for c in GROUPED_CONFIGS if not (setup.interpret and c["ptx_decode"])]
+        _sweep(name, kernel, xs, fp4_weights, setup, configs, fp4_bytes, bf16_t, check, group_sizes)
       del fp4_weights
     del w_bf16, wq
 
@@ -247,9 +249,9 @@ def bench_grouped(setup: Setup, copy_bw: float, sweep: bool):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in Pallas interpret mode (any backend)")
-  parser.add_argument("--sweep", action="store_true", help="also time a few tile configurations per shape")
+  parser.add_argument("--sweep", action="store_true", help="also time tile configurations (K=N=4096, T=8)")
   parser.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement")
-  parser.add_argument("--calls", type=int, default=32, help="op calls per timed dispatch")
+  parser.add_argument("--calls", type=int, default=16, help="op calls per timed dispatch")
   parser.add_argument("--only", choices=["dense", "grouped"], help="run one table")
   args = parser.parse_args(argv)
 

@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -93,10 +94,57 @@ def weight_exponent_offset(fmt: fp4.Fp4Format) -> int:
   return E2M1_F16_EXPONENT + (E4M3_F16_EXPONENT if fmt.name == "nvfp4" else 0)
 
 
-def dequantize_tile(codes: jax.Array, scale_bits: jax.Array, fmt: fp4.Fp4Format) -> jax.Array:
+def _bytes_word(values) -> str:
+  return f"{int(values[0] | values[1] << 8 | values[2] << 16 | values[3] << 24):#010x}"
+
+
+def e2m1_ptx(nibble: int) -> str:
+  """PTX for Triton's elementwise inline asm (pack=4): the four codes packed in $2 -> the bf16
+  values times 2^-14 of their low (nibble=0) or high (nibble=4) nibbles, pairs in $0 and $1.
+
+  A byte-permute (prmt) lookup: the 3-bit magnitude indices of the four nibbles become the four
+  selector nibbles of a prmt over an 8-byte table, once for the high and once for the low bytes
+  of the bf16 results; the sign bits are or-ed in, and two more prmts interleave the bytes into
+  bf16 pairs. About 2.75 instructions per weight instead of the ~5 integer ops per nibble of the
+  jnp decode plus Triton's byte unpacking. GPU only: interpret mode cannot run inline asm.
+  """
+  bits = (np.array(fp4.E2M1_MAGNITUDES, np.float32) * 2.0**-E2M1_F16_EXPONENT).astype(jnp.bfloat16)
+  bits = bits.view(np.uint16).astype(np.uint32)
+  hi, lo = bits >> 8, bits & 0xFF
+  index = "and.b32 i, $2, 0x07070707;" if nibble == 0 else "shr.b32 i, $2, 4;\nand.b32 i, i, 0x07070707;"
+  sign = "shl.b32 s, $2, 4;\nand.b32 s, s, 0x80808080;" if nibble == 0 else "and.b32 s, $2, 0x80808080;"
+  return f"""{{
+.reg .b32 i, j, s, h, l;
+{index}
+shr.b32 j, i, 4;
+or.b32 i, i, j;
+prmt.b32 i, i, 0, 0x0020;
+prmt.b32 h, {_bytes_word(hi[:4])}, {_bytes_word(hi[4:])}, i;
+prmt.b32 l, {_bytes_word(lo[:4])}, {_bytes_word(lo[4:])}, i;
+{sign}
+or.b32 h, h, s;
+prmt.b32 $0, l, h, 0x5140;
+prmt.b32 $1, l, h, 0x7362;
+}}"""
+
+
+def e2m1_to_bf16_scaled_ptx(codes: jax.Array, nibble: int) -> jax.Array:
+  """What `e2m1_to_f16_scaled(codes, nibble).astype(bfloat16)` gives, by `e2m1_ptx`."""
+  # One call per nibble: Pallas' Triton lowering of multi-result inline asm is broken in jax 0.10.
+  [values] = plgpu.elementwise_inline_asm(
+    e2m1_ptx(nibble),
+    args=[codes],
+    constraints="=r,=r,r",
+    pack=4,
+    result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)],
+  )
+  return values
+
+
+def dequantize_tile(codes: jax.Array, scale_bits: jax.Array, fmt: fp4.Fp4Format, *, ptx: bool = False) -> jax.Array:
   """[rows, k/2] packed codes and [rows, k/bs] scale bytes -> [rows, k] bfloat16 weights times
   2^-weight_exponent_offset(fmt), exact (except MXFP4 blocks with scales below about 2^-110,
-  whose products leave bfloat16's range)."""
+  whose products leave bfloat16's range). `ptx`: decode the codes with `e2m1_ptx` (GPU only)."""
   rows, half = codes.shape
   num_blocks = scale_bits.shape[1]
   if fmt.name == "nvfp4":
@@ -104,9 +152,13 @@ def dequantize_tile(codes: jax.Array, scale_bits: jax.Array, fmt: fp4.Fp4Format)
   else:
     scales = e8m0_to_bf16(scale_bits)
   scales = scales[:, :, None]
+  if ptx:
+    decode = functools.partial(e2m1_to_bf16_scaled_ptx, codes)
+  else:
+    decode = lambda nibble: e2m1_to_f16_scaled(codes, nibble).astype(jnp.bfloat16)
   block_shape = (rows, num_blocks, half // num_blocks)
-  lo = e2m1_to_f16_scaled(codes, 0).astype(jnp.bfloat16).reshape(block_shape) * scales
-  hi = e2m1_to_f16_scaled(codes, 4).astype(jnp.bfloat16).reshape(block_shape) * scales
+  lo = decode(0).reshape(block_shape) * scales
+  hi = decode(4).reshape(block_shape) * scales
   # Even elements sit in the low nibble: interleave lo/hi along the last axis.
   return jnp.stack([lo, hi], axis=-1).reshape(rows, 2 * half)
 
@@ -124,6 +176,7 @@ class Tiles:
   k_splits: int = 1
   num_warps: int = 4
   num_stages: int = 3
+  ptx_decode: bool = False  # decode codes with inline PTX (`e2m1_ptx`); GPU only
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
@@ -151,7 +204,8 @@ def default_tiles(
 ) -> Tiles:
   """Default tiles for x[m, k] @ w[n, k]^T (`parallel` such products in one grid: the experts).
 
-  GPU: block_m covers M up to 64 (16 at decode), block_k = 128. Decoding weights is the
+  GPU: block_m covers M up to 64 (16 at decode), block_k = 256 at decode (fewer loop iterations
+  per weight), 128 above (register pressure of the 64-row tiles). Decoding weights is the
   bottleneck at small M (each weight tile is decoded once per m tile), so the grid should give
   every SM work: block_n shrinks from 64 (128 for M > 16) down to 32 and then K is split across
   programs until there are about two programs per SM, as long as the float32 partial sums that
@@ -166,7 +220,7 @@ def default_tiles(
   decode = m <= MIN_BLOCK
   block_m = max(MIN_BLOCK, min(pl.next_power_of_2(m), 64))
   block_n = _largest_power_of_two_dividing(n, 64 if decode else 128)
-  block_k = max(_largest_power_of_two_dividing(k, 128), fmt.block_size)
+  block_k = max(_largest_power_of_two_dividing(k, 256 if decode else 128), fmt.block_size)
   target = 2 * _sm_count()
   programs = lambda bn, splits: parallel * pl.cdiv(m, block_m) * max(n // bn, 1) * splits
   while block_n > 32 and programs(block_n, 1) < target:
@@ -198,16 +252,25 @@ def make_tiles(
   k_splits: int | None,
   num_warps: int | None,
   num_stages: int | None,
+  ptx_decode: bool | None = None,
   split_k: bool = True,
   parallel: int = 1,
 ) -> Tiles:
   """Defaults overridden by the caller's choices, then checked against the shape."""
   tiles = default_tiles(m, n, k, fmt, interpret=interpret, split_k=split_k, parallel=parallel)
   chosen = dict(
-    block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps, num_stages=num_stages
+    block_m=block_m,
+    block_n=block_n,
+    block_k=block_k,
+    k_splits=k_splits,
+    num_warps=num_warps,
+    num_stages=num_stages,
+    ptx_decode=ptx_decode,
   )
   tiles = dataclasses.replace(tiles, **{key: v for key, v in chosen.items() if v is not None})
   check_tiles(tiles, n, k, fmt)
+  if interpret and tiles.ptx_decode:
+    raise ValueError("ptx_decode=True needs the GPU (Triton) backend; interpret mode cannot run inline PTX.")
   return tiles
 
 
@@ -276,13 +339,14 @@ def accumulate(
   num_k_tiles,
   acc: jax.Array,
   fmt: fp4.Fp4Format,
+  tiles: Tiles,
 ) -> jax.Array:
   """acc += x_tile @ dequant(w_tile)^T over K tiles [first, first + num); `load(k_tile)` gives the
   bf16 x tile [bm, bk], the codes [bn, bk/2] and the scale bytes [bn, bk/bs]."""
 
   def body(i, acc):
     x, codes, scale_bits = load(first_k_tile + i)
-    w = dequantize_tile(codes, scale_bits, fmt)
+    w = dequantize_tile(codes, scale_bits, fmt, ptx=tiles.ptx_decode)
     return acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
   return jax.lax.fori_loop(0, num_k_tiles, body, acc)
@@ -312,7 +376,7 @@ def _fp4_matmul_kernel(x_ref, codes_ref, scales_ref, *rest, fmt: fp4.Fp4Format, 
     return x_ref[:, xs], codes_ref[:, cs], scales_ref[:, ss]
 
   acc = jnp.zeros((tiles.block_m, tiles.block_n), jnp.float32)
-  acc = accumulate(load, pl.program_id(2) * k_tiles_per_split, k_tiles_per_split, acc, fmt)
+  acc = accumulate(load, pl.program_id(2) * k_tiles_per_split, k_tiles_per_split, acc, fmt, tiles)
   acc = acc * 2.0 ** weight_exponent_offset(fmt)
   if tensor_scale_ref:
     acc = acc * tensor_scale_ref[0][0, 0]
@@ -330,6 +394,7 @@ def _fp4_matmul_kernel(x_ref, codes_ref, scales_ref, *rest, fmt: fp4.Fp4Format, 
     "k_splits",
     "num_warps",
     "num_stages",
+    "ptx_decode",
     "out_dtype",
     "interpret",
   ),
@@ -346,6 +411,7 @@ def fp4_matmul(
   k_splits: int | None = None,
   num_warps: int | None = None,
   num_stages: int | None = None,
+  ptx_decode: bool | None = None,
   out_dtype=jnp.bfloat16,
   interpret: bool | None = None,
 ) -> jax.Array:
@@ -359,6 +425,7 @@ def fp4_matmul(
     block_m, block_n, block_k: tile sizes (powers of two >= 16; defaults from `default_tiles`).
     k_splits: split K across this many programs (partial sums added outside the kernel).
     num_warps, num_stages: Triton launch options (ignored in interpret mode).
+    ptx_decode: decode the codes with inline PTX (`e2m1_ptx`, GPU only); default False.
     out_dtype: output dtype.
     interpret: run the Pallas interpreter; default: True unless the backend is GPU.
   """
@@ -379,6 +446,7 @@ def fp4_matmul(
     k_splits=k_splits,
     num_warps=num_warps,
     num_stages=num_stages,
+    ptx_decode=ptx_decode,
   )
   x = pad_rows(prepare_activations(x, quantize_activations, activation_format, w.fmt), tiles.block_m)
   m_padded = x.shape[0]

@@ -92,7 +92,7 @@ def _grouped_kernel(
   acc = jnp.zeros((tiles.block_m, tiles.block_n), jnp.float32)
   # A product, not jnp.where: the Triton lowering types a select of two literals like its predicate (i1).
   num_k_tiles = k_tiles * (group < num_groups).astype(jnp.int32)
-  acc = dense.accumulate(load, 0, num_k_tiles, acc, fmt)
+  acc = dense.accumulate(load, 0, num_k_tiles, acc, fmt, tiles)
   acc = acc * 2.0 ** dense.weight_exponent_offset(fmt)
   if tensor_scale_ref:
     acc = acc * tensor_scale_ref[0][expert, 0]
@@ -111,6 +111,7 @@ def _grouped_kernel(
     "block_k",
     "num_warps",
     "num_stages",
+    "ptx_decode",
     "out_dtype",
     "interpret",
   ),
@@ -127,6 +128,7 @@ def grouped_fp4_matmul(
   block_k: int | None = None,
   num_warps: int | None = None,
   num_stages: int | None = None,
+  ptx_decode: bool | None = None,
   out_dtype=jnp.bfloat16,
   interpret: bool | None = None,
 ) -> jax.Array:
@@ -165,6 +167,7 @@ def grouped_fp4_matmul(
     k_splits=None,
     num_warps=num_warps,
     num_stages=num_stages,
+    ptx_decode=ptx_decode,
     split_k=False,
     parallel=num_groups,
   )

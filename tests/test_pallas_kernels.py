@@ -88,6 +88,52 @@ def test_dequantize_tile_matches_fp4_dequantize(fmt):
   np.testing.assert_array_equal(got, np.asarray(fp4.dequantize(w)))
 
 
+def _run_ptx(asm: str, inputs: list[np.ndarray], num_outputs: int) -> list[np.ndarray]:
+  """Runs the PTX subset our inline asm uses (and/or/shl/shr/prmt .b32) on uint32 numpy arrays.
+
+  prmt.b32 d, a, b, c (default mode): byte k of d is byte c[4k+2:4k] of the 8-byte value {b, a}
+  (a = bytes 0-3), or that byte's sign bit replicated when c[4k+3] is set.
+  """
+  regs = {f"${num_outputs + i}": x.astype(np.uint64) for i, x in enumerate(inputs)}
+  value = lambda t: regs[t] if t in regs else np.uint64(int(t, 0))
+  for line in asm.splitlines():
+    line = line.strip().rstrip(";")
+    if line in ("{", "}") or line.startswith(".reg"):
+      continue
+    op, operands = line.split(None, 1)
+    dst, *args = [t.strip() for t in operands.split(",")]
+    a = [value(t) for t in args]
+    if op == "prmt.b32":
+      table, result = a[0] | (a[1] << np.uint64(32)), np.uint64(0)
+      for k in range(4):
+        sel = (a[2] >> np.uint64(4 * k)) & np.uint64(0xF)
+        byte = (table >> ((sel & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
+        byte = np.where(sel & np.uint64(8), (byte >> np.uint64(7)) * np.uint64(0xFF), byte)
+        result = result | (byte << np.uint64(8 * k))
+    else:
+      ops = {"and.b32": np.bitwise_and, "or.b32": np.bitwise_or, "shl.b32": np.left_shift, "shr.b32": np.right_shift}
+      result = ops[op](a[0], a[1])
+    regs[dst] = np.asarray(result, np.uint64) & np.uint64(0xFFFFFFFF)
+  return [regs[f"${i}"] for i in range(num_outputs)]
+
+
+@pytest.mark.parametrize("nibble", [0, 4])
+def test_e2m1_ptx_decodes_every_byte(nibble):
+  """The inline PTX (GPU only) against the E2M1 table, on an emulator of its instructions."""
+  rng = np.random.default_rng(0)
+  words = np.concatenate([BYTES.astype(np.uint64) * 0x01010101, rng.integers(0, 2**32, 1024, dtype=np.uint64)])
+  pair01, pair23 = _run_ptx(dense.e2m1_ptx(nibble), [words], 2)
+  got = np.stack([(pair >> np.uint64(16 * h)) & np.uint64(0xFFFF) for pair in (pair01, pair23) for h in (0, 1)], -1)
+  codes = np.stack([(words >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4)], -1).astype(np.uint8)
+  expected = fp4.E2M1_VALUES[(codes >> nibble) & 0xF] * np.float32(2.0**-dense.E2M1_F16_EXPONENT)
+  np.testing.assert_array_equal(got.astype(np.uint16), expected.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+def test_ptx_decode_is_gpu_only():
+  with pytest.raises(ValueError, match="ptx_decode=True needs the GPU"):
+    dense.fp4_matmul(_activations(4, 64), _weights((32, 64), "nvfp4", False), ptx_decode=True, interpret=True)
+
+
 # --- dense kernel -------------------------------------------------------------------------------
 
 
@@ -262,13 +308,14 @@ def test_grouped_packed_matmul_dispatch():
 # --- GPU lowering without a GPU -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt,with_tensor_scale", [("nvfp4", True), ("mxfp4", False)])
-def test_kernels_lower_to_triton(fmt, with_tensor_scale):
+@pytest.mark.parametrize("fmt,with_tensor_scale,ptx_decode", [("nvfp4", True, False), ("mxfp4", False, True)])
+def test_kernels_lower_to_triton(fmt, with_tensor_scale, ptx_decode):
   lower = lambda f, *args: jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   x = jnp.zeros((8, 768), jnp.bfloat16)
+  options = dict(interpret=False, ptx_decode=ptx_decode)
   w = _weights((256, 768), fmt, with_tensor_scale)
-  text = lower(functools.partial(dense.fp4_matmul, interpret=False, quantize_activations=True), x, w)
+  text = lower(functools.partial(dense.fp4_matmul, quantize_activations=True, **options), x, w)
   assert "__gpu$xla.gpu.triton" in text
   experts = _weights((4, 64, 768), fmt, with_tensor_scale)
-  text = lower(functools.partial(grouped.grouped_fp4_matmul, interpret=False), x, jnp.ones(4, jnp.int32), experts)
+  text = lower(functools.partial(grouped.grouped_fp4_matmul, **options), x, jnp.ones(4, jnp.int32), experts)
   assert "__gpu$xla.gpu.triton" in text
