@@ -1,7 +1,8 @@
 """FP4 numerics: E2M1 codes, NVFP4 / MXFP4 block quantization, nibble and bit packing.
 
 Everything here is bit-exact against references (tests/test_fp4.py):
-  * E2M1 casts match ml_dtypes.float4_e2m1fn (round to nearest even, saturate at +/-6);
+  * E2M1 casts match ml_dtypes.float4_e2m1fn and XLA's convert (round to nearest even,
+    saturate at +/-6; NaN: see below);
   * NVFP4 codes and scales match torchao's `nvfp4_quantize`, single-level and two-level;
   * MXFP4 codes and scales match torchao's `to_mx` (FLOOR; RCEIL with an exact ceil, see below).
 
@@ -14,7 +15,15 @@ sign(1) exponent(2) mantissa(1); its magnitude index (code & 7) walks the ladder
 Non-finite inputs. +/-inf in a block saturates the scale (NVFP4: 448; MXFP4: the largest
 exponent torchao gives) and the inf element to +/-6. A NaN in a block makes that block's
 scale NaN (E4M3 0x7f; E8M0 0xff), so the whole block dequantizes to NaN; the NaN element's
-own code is 0x8 (-0), as ml_dtypes casts NaN (torchao leaves those codes unspecified).
+own code is 0x8 (-0), as XLA's convert to float4_e2m1fn gives for any NaN and ml_dtypes for a
+positive one (ml_dtypes gives 0x0 for a negative NaN). torchao leaves those codes unspecified.
+
+Subnormals. JAX's CPU backend flushes float32 subnormals to zero (inputs and results of
+arithmetic); torch on CPU does not. So on CPU a subnormal input quantizes as a signed zero,
+and MXFP4 blocks whose amax is below about 2**-122 (where subnormals, scaled by up to 2**126,
+would reach a nonzero code, or RCEIL's amax / 6 is itself subnormal) and two-level NVFP4
+tensors whose amax is below about 2**-114 (a subnormal tensor scale) can differ from torchao.
+Single-level NVFP4 scales are at least 2**-6: subnormals give a signed zero there either way.
 """
 
 from __future__ import annotations
@@ -178,9 +187,24 @@ def check_blocks(shape, fmt: Fp4Format, what: str = "input"):
     )
 
 
+def _div(a, b) -> jax.Array:
+  """`a / b` in float32, rounded as IEEE division (as torchao computes it).
+
+  XLA's algebraic simplifier rewrites divisions by a constant or a broadcast scalar into
+  multiplications by the reciprocal, `(a / b) / c` into `a / (b * c)` and `a / (b / c)` into
+  `(a * c) / b`; each is off by an ulp for a good share of inputs (x / 6: one in three).
+  Both operands, broadcast together (also under vmap), pass an optimization barrier first;
+  XLA expands barriers only after those rewrites (the two-level torchao parity tests fail
+  without it).
+  """
+  a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+  ab = jax.lax.optimization_barrier(jnp.stack([a, b]))
+  return ab[0] / ab[1]
+
+
 def tensor_scale_from_amax(amax: jax.Array) -> jax.Array:
   """Second-level NVFP4 scale `amax / (448 * 6)` (torchao's per_tensor_amax_to_scale)."""
-  return jnp.asarray(amax, jnp.float32) / (E4M3_MAX * E2M1_MAX)
+  return _div(amax, E4M3_MAX * E2M1_MAX)
 
 
 @jax.tree_util.register_dataclass
@@ -207,7 +231,7 @@ def _e4m3_reciprocal(scales_f32: jax.Array, tensor_scale: jax.Array | None) -> j
   # torchao multiplies by the reciprocal (MSLK kernel numerics), in this exact order.
   if tensor_scale is None:
     return 1.0 / scales_f32
-  return (1.0 / tensor_scale) / scales_f32
+  return _div(_div(1.0, tensor_scale), scales_f32)
 
 
 def _biased_exponent(x: jax.Array) -> jax.Array:
@@ -226,13 +250,13 @@ def compute_scales(blocks: jax.Array, fmt: Fp4Format, tensor_scale: jax.Array | 
   """Block scales of float32 `blocks` [..., nblocks, block_size].
 
   Returns (stored_scales [..., nblocks] in fmt.scale_dtype, reciprocal [..., nblocks] float32):
-  the codes are `E2M1(clip(blocks * reciprocal, -6, 6))`.
+  the codes are `E2M1(clip(blocks * reciprocal, -6, 6))` (see `scale_blocks`).
   """
   amax = jnp.max(jnp.abs(blocks), axis=-1)
   if fmt.name == "nvfp4":
-    block_scale = amax / E2M1_MAX
+    block_scale = _div(amax, E2M1_MAX)
     if tensor_scale is not None:
-      block_scale = block_scale / tensor_scale
+      block_scale = _div(block_scale, tensor_scale)
     stored = jnp.clip(block_scale, E4M3_TINY, E4M3_MAX).astype(jnp.float8_e4m3fn)
     return stored, _e4m3_reciprocal(stored.astype(jnp.float32), tensor_scale)
   if tensor_scale is not None:
@@ -246,7 +270,7 @@ def compute_scales(blocks: jax.Array, fmt: Fp4Format, tensor_scale: jax.Array | 
     # ceil(log2(amax / 6)), computed exactly (what the hardware's cvt.rp.ue8m0 gives);
     # torchao's eager fallback takes ceil(log2()) in float32, which agrees except where
     # log2 rounds a value just above a power of two down onto it.
-    descale = amax / E2M1_MAX
+    descale = _div(amax, E2M1_MAX)
     e = jnp.clip(jnp.ceil(jnp.log2(descale)), -E8M0_BIAS, E8M0_BIAS)
     e = jnp.where(jnp.isfinite(e), e, -E8M0_BIAS).astype(jnp.int32)
     e = e - (jnp.ldexp(np.float32(1.0), e - 1) >= descale).astype(jnp.int32)
@@ -283,6 +307,25 @@ def to_blocks(x: jax.Array, fmt: Fp4Format) -> jax.Array:
   return x.reshape(*x.shape[:-1], x.shape[-1] // fmt.block_size, fmt.block_size)
 
 
+_SUBNORMAL_RECIPROCAL_BITS = 0x00400000  # 2**-127: MXFP4 RCEIL's reciprocal for an infinite amax
+
+
+def scale_blocks(blocks: jax.Array, reciprocal: jax.Array, fmt: Fp4Format) -> jax.Array:
+  """`blocks * reciprocal[..., None]`: the input to the E2M1 cast, as torchao computes it.
+
+  RCEIL's reciprocal for a block with an infinite amax is the subnormal 2**-127, which a
+  backend that flushes subnormals (XLA:CPU) reads as 0, turning the inf into NaN; it is
+  applied there as 0.5 then 2**-126, which gives the same codes. (Both factors are runtime
+  values so that XLA does not fold them back into the constant 2**-127.)
+  """
+  if fmt.scale_rounding != "rceil":
+    return blocks * reciprocal[..., None]
+  subnormal = jax.lax.bitcast_convert_type(reciprocal, jnp.int32) == _SUBNORMAL_RECIPROCAL_BITS
+  half = jnp.where(subnormal, 0.5, 1.0).astype(jnp.float32)
+  r = jnp.where(subnormal, F32_MIN_NORMAL, reciprocal).astype(jnp.float32)
+  return (blocks * half[..., None]) * r[..., None]
+
+
 def quantize(x: jax.Array, fmt: str | Fp4Format = "nvfp4", *, tensor_amax: jax.Array | None = None) -> QuantizedArray:
   """Round-to-nearest block quantization of `x` (bf16 or fp32) along its last axis.
 
@@ -294,7 +337,7 @@ def quantize(x: jax.Array, fmt: str | Fp4Format = "nvfp4", *, tensor_amax: jax.A
   tensor_scale = None if tensor_amax is None else tensor_scale_from_amax(tensor_amax)
   blocks = to_blocks(x.astype(jnp.float32), fmt)
   scales, reciprocal = compute_scales(blocks, fmt, tensor_scale)
-  codes = float_to_e2m1(blocks * reciprocal[..., None])
+  codes = float_to_e2m1(scale_blocks(blocks, reciprocal, fmt))
   return QuantizedArray(pack_nibbles(codes.reshape(x.shape)), scales, tensor_scale, fmt)
 
 
