@@ -1,7 +1,8 @@
 """Checkpoints under `<workdir>/checkpoints` with orbax, and resume.
 
 Restores the newest checkpoint that reads back cleanly: a corrupt or half-written one is
-reported and skipped (never deleted), so a crash during a save loses at most one interval.
+reported and moved aside to `<workdir>/checkpoints.unreadable` (never deleted), so that the
+resumed run can save that step again and a crash during a save loses at most one interval.
 """
 
 from __future__ import annotations
@@ -48,25 +49,47 @@ class Checkpointer:
         logging.warning(
           "Checkpoint at step %d in %s is unreadable (%s); trying the previous one.", step, self.directory, e
         )
-        failures.append(f"step {step}: {type(e).__name__}: {e}")
+        failures.append((step, f"step {step}: {type(e).__name__}: {e}"))
         continue
+      if failures:
+        self._set_aside([bad for bad, _ in failures])
       return step, state
     if failures:
       raise CheckpointError(
-        f"No checkpoint in {self.directory} could be restored:\n  " + "\n  ".join(failures) + "\n"
+        f"No checkpoint in {self.directory} could be restored:\n  " + "\n  ".join(m for _, m in failures) + "\n"
         "Move the directory aside to start afresh (nothing was deleted)."
       )
     return None, target
+
+  def _set_aside(self, steps: list[int]) -> None:
+    """Move unreadable checkpoints out of the manager's directory: the resumed run saves those
+    steps again, which orbax refuses while a directory of that step exists."""
+    aside = self.directory + ".unreadable"
+    if jax.process_index() == 0:
+      os.makedirs(aside, exist_ok=True)
+      for step in steps:
+        target, n = os.path.join(aside, str(step)), 0
+        while os.path.exists(target):
+          n += 1
+          target = os.path.join(aside, f"{step}.{n}")
+        os.rename(os.path.join(self.directory, str(step)), target)
+        logging.warning("Moved the unreadable checkpoint of step %d to %s.", step, target)
+    if jax.process_count() > 1:
+      ocp.multihost.sync_global_processes("trace_jax_checkpoint_set_aside")
+    self._manager.reload()
 
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
 
 
-def save_tree(path: str, tree) -> None:
-  """Write one pytree to `path` (e.g. cached SFT parameters shared by several runs)."""
+def save_tree(path: str, tree, *, force: bool = False) -> None:
+  """Write one pytree to `path` (e.g. cached SFT parameters shared by several runs).
+
+  force: replace what is there (else an existing `path` is an error).
+  """
   with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(os.path.abspath(path), tree)
+    ckptr.save(os.path.abspath(path), tree, force=force)
 
 
 def load_tree(path: str, target):

@@ -1,0 +1,352 @@
+"""The GRPO pieces of trace_jax.rl (and train.trainer_guidance) against plain numpy references.
+
+Each function is small and pure, so every test runs eagerly on a few tokens: advantages,
+the PPO-clip objective and its gradient, the TIS weight, the k3 KL, the mismatch metrics of
+SPEC section 6 and routing agreement.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trace_jax import rl, rollout, train
+from trace_jax.config import GRPOConfig
+from trace_jax.quantizer import Guidance
+
+RNG = np.random.default_rng(0)
+
+
+# --- numpy references -----------------------------------------------------------------------
+
+
+def np_masked_mean(x, mask):
+  mask = np.asarray(mask, np.float64)
+  return float(np.sum(x * mask) / max(mask.sum(), 1.0))
+
+
+def np_k3(logp_target, logp_sample):
+  log_ratio = np.asarray(logp_target, np.float64) - np.asarray(logp_sample, np.float64)
+  return np.exp(log_ratio) - log_ratio - 1.0
+
+
+def np_grpo_loss(logp, old_logp, rollout_logp, adv, mask, cfg: GRPOConfig, ref_logp=None):
+  """The PPO-clip surrogate, token TIS and k3 KL, written out directly in float64."""
+  logp, old_logp, rollout_logp = (np.asarray(a, np.float64) for a in (logp, old_logp, rollout_logp))
+  adv = np.asarray(adv, np.float64)[:, None]
+  ratio = np.exp(logp - old_logp)
+  high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
+  surrogate = np.minimum(ratio * adv, np.clip(ratio, 1 - cfg.clip_eps, 1 + high) * adv)
+  weight = np.minimum(np.exp(old_logp - rollout_logp), cfg.tis_cap) if cfg.tis_cap > 0 else 1.0
+  loss = np_masked_mean(-surrogate * weight, mask)
+  if ref_logp is not None and cfg.kl_coef > 0:
+    loss += cfg.kl_coef * np_masked_mean(np_k3(ref_logp, logp), mask)
+  return loss
+
+
+def np_grpo_grad(logp, old_logp, rollout_logp, adv, mask, cfg: GRPOConfig):
+  """d loss / d logp of the PPO-clip + TIS loss (no KL): zero where the clip is active."""
+  logp, old_logp, rollout_logp = (np.asarray(a, np.float64) for a in (logp, old_logp, rollout_logp))
+  adv = np.asarray(adv, np.float64)[:, None] * np.ones_like(logp)
+  ratio = np.exp(logp - old_logp)
+  high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
+  clipped = ((adv > 0) & (ratio > 1 + high)) | ((adv < 0) & (ratio < 1 - cfg.clip_eps))
+  weight = np.minimum(np.exp(old_logp - rollout_logp), cfg.tis_cap) if cfg.tis_cap > 0 else 1.0
+  mask = np.asarray(mask, np.float64)
+  return np.where(clipped, 0.0, -adv * ratio) * weight * mask / max(mask.sum(), 1.0)
+
+
+def loss_inputs(b=4, s=12, spread=0.4, seed=0):
+  """Log-probs whose ratios fall on both sides of the clip range, and a ragged mask."""
+  rng = np.random.default_rng(seed)
+  old = np.log(rng.uniform(0.05, 0.9, (b, s))).astype(np.float32)
+  logp = (old + rng.uniform(-spread, spread, (b, s))).astype(np.float32)
+  rollout_logp = (old + rng.normal(0, 1.0, (b, s))).astype(np.float32)  # some TIS weights hit the cap
+  adv = rng.normal(size=b).astype(np.float32)
+  mask = np.zeros((b, s), bool)
+  for i, start in enumerate(rng.integers(0, s // 2, b)):
+    mask[i, start : s - i] = True
+  return logp, old, rollout_logp, adv, mask
+
+
+def loss_and_grad(logp, old, rollout_logp, adv, mask, cfg, ref=None):
+  fn = lambda lp: rl.grpo_loss(lp, jnp.asarray(old), jnp.asarray(rollout_logp), jnp.asarray(adv), mask, cfg, ref)
+  (loss, metrics), grad = jax.value_and_grad(fn, has_aux=True)(jnp.asarray(logp))
+  return float(loss), metrics, np.asarray(grad)
+
+
+# --- group advantages -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_group_advantages_against_numpy(normalize_std):
+  G = 4
+  rewards = RNG.uniform(0, 1, 5 * G).astype(np.float32)
+  adv = np.asarray(rl.group_advantages(jnp.asarray(rewards), G, normalize_std))
+  r = rewards.reshape(-1, G).astype(np.float64)
+  want = r - r.mean(1, keepdims=True)
+  if normalize_std:
+    want = want / (r.std(1, keepdims=True) + 1e-6)
+  np.testing.assert_allclose(adv, want.reshape(-1), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(adv.reshape(-1, G).mean(1), 0.0, atol=1e-6)  # mean zero per group
+  if normalize_std:
+    np.testing.assert_allclose(adv.reshape(-1, G).std(1), 1.0, rtol=1e-4)
+
+
+def test_group_advantages_keep_groups_apart():
+  """Groups are contiguous runs of G: each is centred on its own mean, not the batch's."""
+  rewards = jnp.asarray([0.0, 1.0, 10.0, 11.0])
+  np.testing.assert_allclose(rl.group_advantages(rewards, 2, normalize_std=False), [-0.5, 0.5, -0.5, 0.5])
+
+
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_group_advantages_of_a_constant_group_are_zero(normalize_std):
+  rewards = jnp.asarray([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.5])
+  adv = np.asarray(rl.group_advantages(rewards, 3, normalize_std))
+  assert np.all(np.isfinite(adv))
+  np.testing.assert_array_equal(adv[:6], 0.0)
+  assert np.abs(adv[6:]).max() > 0
+
+
+# --- GRPO loss ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "cfg",
+  [
+    GRPOConfig(num_generations=2, tis_cap=0.0),
+    GRPOConfig(num_generations=2, tis_cap=2.0),
+    GRPOConfig(num_generations=2, clip_eps=0.1, clip_eps_high=0.3, tis_cap=5.0),
+  ],
+  ids=["no_tis", "tis2", "asymmetric_clip"],
+)
+def test_grpo_loss_and_gradient_against_numpy(cfg):
+  logp, old, rollout_logp, adv, mask = loss_inputs()
+  loss, _, grad = loss_and_grad(logp, old, rollout_logp, adv, mask, cfg)
+  np.testing.assert_allclose(loss, np_grpo_loss(logp, old, rollout_logp, adv, mask, cfg), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(grad, np_grpo_grad(logp, old, rollout_logp, adv, mask, cfg), rtol=1e-4, atol=1e-7)
+
+
+def test_ppo_clip_zeroes_the_gradient_only_where_the_clip_binds():
+  """Positive advantage: ratios above 1 + eps get no gradient, ratios below 1 - eps still do
+  (the pessimistic min keeps them); negative advantage: the mirror image."""
+  cfg = GRPOConfig(num_generations=2, clip_eps=0.2, tis_cap=0.0)
+  ratios = np.array([0.5, 0.9, 1.1, 1.5], np.float32)
+  logp = np.log(np.stack([ratios, ratios]))
+  old = np.zeros_like(logp)
+  adv = np.array([1.0, -1.0], np.float32)
+  mask = np.ones(logp.shape, bool)
+  _, metrics, grad = loss_and_grad(logp, old, old, adv, mask, cfg)
+  n = mask.sum()
+  np.testing.assert_allclose(grad[0], [-0.5 / n, -0.9 / n, -1.1 / n, 0.0], rtol=1e-6)  # A > 0: 1.5 is clipped
+  np.testing.assert_allclose(grad[1], [0.0, 0.9 / n, 1.1 / n, 1.5 / n], rtol=1e-6)  # A < 0: 0.5 is clipped
+  assert float(metrics["loss/clip_frac"]) == pytest.approx(0.5)  # 0.5 and 1.5 in both rows
+
+
+def test_clip_fraction_counts_the_asymmetric_range():
+  """With clip_eps_high, a ratio inside (1 + clip_eps, 1 + clip_eps_high] is not clipped."""
+  cfg = GRPOConfig(num_generations=2, clip_eps=0.2, clip_eps_high=0.28, tis_cap=0.0)
+  logp = np.log(np.array([[0.7, 0.9, 1.25, 1.3]], np.float32))
+  _, metrics, _ = loss_and_grad(logp, np.zeros_like(logp), np.zeros_like(logp), np.ones(1), np.ones((1, 4)), cfg)
+  assert float(metrics["loss/clip_frac"]) == pytest.approx(0.5)  # 0.7 and 1.3; 1.25 is inside
+
+
+def test_tis_weight_is_capped_and_stop_gradiented():
+  cap = 2.0
+  with_tis = GRPOConfig(num_generations=2, tis_cap=cap)
+  without = GRPOConfig(num_generations=2, tis_cap=0.0)
+  logp, old, rollout_logp, adv, mask = loss_inputs(seed=1)
+  weight = np.minimum(np.exp(old.astype(np.float64) - rollout_logp), cap)
+  assert (weight == cap).any() and (weight < 1).any()  # both the cap and down-weighting are exercised
+  _, _, grad_tis = loss_and_grad(logp, old, rollout_logp, adv, mask, with_tis)
+  _, _, grad_plain = loss_and_grad(logp, old, rollout_logp, adv, mask, without)
+  np.testing.assert_allclose(grad_tis, grad_plain * weight, rtol=1e-5, atol=1e-8)
+  # No gradient flows into the weight: not through the rollout's log-probs ...
+  fn = lambda r: rl.grpo_loss(jnp.asarray(logp), jnp.asarray(old), r, jnp.asarray(adv), mask, with_tis)[0]
+  np.testing.assert_array_equal(jax.grad(fn)(jnp.asarray(rollout_logp)), 0.0)
+  # ... nor through old_logp beyond the PPO ratio's own dependence on it.
+  fn_old = lambda o, cfg: rl.grpo_loss(jnp.asarray(logp), o, jnp.asarray(rollout_logp), jnp.asarray(adv), mask, cfg)[0]
+  g_tis = np.asarray(jax.grad(fn_old)(jnp.asarray(old), with_tis))
+  g_plain = np.asarray(jax.grad(fn_old)(jnp.asarray(old), without))
+  np.testing.assert_allclose(g_tis, g_plain * weight, rtol=1e-5, atol=1e-8)
+
+
+def test_tis_cap_zero_disables_the_weight():
+  cfg = GRPOConfig(num_generations=2, tis_cap=0.0)
+  logp, old, rollout_logp, adv, mask = loss_inputs(seed=2)
+  far = rollout_logp - 3.0  # would give weights up to e^3 if applied
+  a, _, ga = loss_and_grad(logp, old, rollout_logp, adv, mask, cfg)
+  b, _, gb = loss_and_grad(logp, old, far, adv, mask, cfg)
+  assert a == b
+  np.testing.assert_array_equal(ga, gb)
+
+
+def test_k3_matches_the_formula_and_vanishes_on_equal_inputs():
+  target = np.log(RNG.uniform(0.01, 1, 50)).astype(np.float32)
+  sample = np.log(RNG.uniform(0.01, 1, 50)).astype(np.float32)
+  np.testing.assert_allclose(rl.k3(jnp.asarray(target), jnp.asarray(sample)), np_k3(target, sample), rtol=1e-5)
+  # Accurate at the tiny log-ratios FP4 mismatch produces (exp(x) - x - 1 in float32 is off by %).
+  small = (sample + RNG.uniform(-3e-3, 3e-3, 50)).astype(np.float32)
+  np.testing.assert_allclose(rl.k3(jnp.asarray(small), jnp.asarray(sample)), np_k3(small, sample), rtol=2e-3)
+  np.testing.assert_array_equal(rl.k3(jnp.asarray(sample), jnp.asarray(sample)), 0.0)
+  assert np.all(np.asarray(rl.k3(jnp.asarray(target), jnp.asarray(sample))) >= 0)
+
+
+def test_kl_to_the_reference_is_added_with_its_coefficient():
+  cfg = GRPOConfig(num_generations=2, tis_cap=5.0, kl_coef=0.3)
+  logp, old, rollout_logp, adv, mask = loss_inputs(seed=3)
+  ref = (logp + RNG.normal(0, 0.3, logp.shape)).astype(np.float32)
+  loss, metrics, grad = loss_and_grad(logp, old, rollout_logp, adv, mask, cfg, jnp.asarray(ref))
+  np.testing.assert_allclose(loss, np_grpo_loss(logp, old, rollout_logp, adv, mask, cfg, ref), rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["loss/kl_ref"]), np_masked_mean(np_k3(ref, logp), mask), rtol=1e-5)
+  # d k3(ref, logp) / d logp = 1 - exp(ref - logp), token-averaged.
+  kl_grad = cfg.kl_coef * (1 - np.exp(ref.astype(np.float64) - logp)) * mask / mask.sum()
+  want = np_grpo_grad(logp, old, rollout_logp, adv, mask, cfg) + kl_grad
+  np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-7)
+  # ref == logp: the KL term and its metric are exactly zero.
+  same, metrics_same, _ = loss_and_grad(logp, old, rollout_logp, adv, mask, cfg, jnp.asarray(logp))
+  assert float(metrics_same["loss/kl_ref"]) == 0.0
+  assert same == pytest.approx(np_grpo_loss(logp, old, rollout_logp, adv, mask, cfg), rel=1e-6)
+  # kl_coef = 0: a reference is ignored.
+  off = dataclasses.replace(cfg, kl_coef=0.0)
+  _, metrics_off, _ = loss_and_grad(logp, old, rollout_logp, adv, mask, off, jnp.asarray(ref))
+  assert "loss/kl_ref" not in metrics_off
+
+
+def test_loss_is_a_token_mean_over_the_mask():
+  cfg = GRPOConfig(num_generations=2, tis_cap=5.0)
+  logp, old, rollout_logp, adv, mask = loss_inputs(seed=4)
+  loss, _, grad = loss_and_grad(logp, old, rollout_logp, adv, mask, cfg)
+  np.testing.assert_array_equal(grad[~mask], 0.0)
+  # Whatever sits at masked positions is ignored.
+  junk = lambda a: np.where(mask, a, np.float32(-3.0))
+  loss_junk, _, grad_junk = loss_and_grad(junk(logp), junk(old), junk(rollout_logp), adv, mask, cfg)
+  assert loss_junk == pytest.approx(loss, rel=1e-6)
+  np.testing.assert_allclose(grad_junk[mask], grad[mask], rtol=1e-6)
+  # A token mean, not a sequence mean: one long row weighs more than one short row.
+  rows = np.zeros((2, 6), bool)
+  rows[0, :1], rows[1, :] = True, True
+  per_token = np_grpo_loss(logp[:2, :6], old[:2, :6], rollout_logp[:2, :6], adv[:2], rows, cfg)
+  got, _, _ = loss_and_grad(logp[:2, :6], old[:2, :6], rollout_logp[:2, :6], adv[:2], rows, cfg)
+  np.testing.assert_allclose(got, per_token, rtol=1e-5)
+  # An empty mask gives zero, not NaN.
+  empty, _, grad_empty = loss_and_grad(logp, old, rollout_logp, adv, np.zeros_like(mask), cfg)
+  assert empty == 0.0
+  np.testing.assert_array_equal(grad_empty, 0.0)
+
+
+# --- mismatch metrics -----------------------------------------------------------------------
+
+
+def np_mismatch(train_logp, rollout_logp, mask):
+  t, r = np.asarray(train_logp, np.float64)[mask], np.asarray(rollout_logp, np.float64)[mask]
+  diff, ratio = np.abs(t - r), np.exp(t - r)
+  return {
+    "mismatch/logp_diff_mean": diff.mean(),
+    "mismatch/logp_diff_max": diff.max(),
+    "mismatch/kl_k3": np_k3(t, r).mean(),
+    "mismatch/is_ratio_mean": ratio.mean(),
+    "mismatch/is_ratio_outside_0.5_2": np.mean((ratio < 0.5) | (ratio > 2)),
+  }
+
+
+def test_mismatch_metrics_against_numpy():
+  train_logp = np.log(RNG.uniform(0.02, 1, (6, 10))).astype(np.float32)
+  rollout_logp = (train_logp + RNG.normal(0, 0.6, train_logp.shape)).astype(np.float32)
+  mask = RNG.uniform(size=train_logp.shape) < 0.7
+  # The largest |difference| and an extreme ratio sit at masked positions: they must not count.
+  rollout_logp[~mask] = train_logp[~mask] + 20.0
+  got = rl.mismatch_metrics(jnp.asarray(train_logp), jnp.asarray(rollout_logp), jnp.asarray(mask))
+  want = np_mismatch(train_logp, rollout_logp, mask)
+  assert set(got) == set(want)
+  for key, value in want.items():
+    np.testing.assert_allclose(float(got[key]), value, rtol=1e-5, atol=1e-7, err_msg=key)
+  assert 0 < want["mismatch/is_ratio_outside_0.5_2"] < 1  # both sides of the test are exercised
+
+
+def test_mismatch_metrics_of_identical_policies():
+  logp = jnp.asarray(np.log(RNG.uniform(0.02, 1, (3, 5))), jnp.float32)
+  got = rl.mismatch_metrics(logp, logp, jnp.ones((3, 5), bool))
+  assert {k: float(v) for k, v in got.items()} == {
+    "mismatch/logp_diff_mean": 0.0,
+    "mismatch/logp_diff_max": 0.0,
+    "mismatch/kl_k3": 0.0,
+    "mismatch/is_ratio_mean": 1.0,
+    "mismatch/is_ratio_outside_0.5_2": 0.0,
+  }
+
+
+# --- routing agreement ----------------------------------------------------------------------
+
+
+def logits_choosing(ids, num_experts):
+  """Router logits [B, S, E] whose top-k is exactly `ids` [B, S, k] (no ties)."""
+  logits = np.tile(-np.arange(num_experts, dtype=np.float32) * 0.01, (*ids.shape[:-1], 1))
+  np.put_along_axis(logits, ids, 10.0 + np.arange(ids.shape[-1], dtype=np.float32), axis=-1)
+  return jnp.asarray(logits)
+
+
+def test_routing_agreement():
+  B, S, E, k = 2, 5, 8, 2
+  ids = np.stack([RNG.permutation(E)[:k] for _ in range(B * S)]).reshape(B, S, k)
+  logits = logits_choosing(ids, E)
+  mask = np.ones((B, S), bool)
+  assert float(rl.routing_agreement(logits, jnp.asarray(ids), mask)) == 1.0
+  assert float(rl.routing_agreement(logits, jnp.asarray(ids[..., ::-1]), mask)) == 1.0  # order-insensitive
+  disjoint = np.stack([np.setdiff1d(np.arange(E), row)[:k] for row in ids.reshape(-1, k)]).reshape(B, S, k)
+  assert float(rl.routing_agreement(logits, jnp.asarray(disjoint), mask)) == 0.0
+  # One of the two experts shared in every token: 1/2.
+  half = np.concatenate([ids[..., :1], disjoint[..., :1]], -1)
+  assert float(rl.routing_agreement(logits, jnp.asarray(half), mask)) == pytest.approx(0.5)
+  # Masked tokens do not count: agree on the first 3 positions, disagree on the last 2.
+  mixed = np.concatenate([ids[:, :3], disjoint[:, 3:]], 1)
+  mask3 = np.zeros((B, S), bool)
+  mask3[:, :3] = True
+  assert float(rl.routing_agreement(logits, jnp.asarray(mixed), mask3)) == 1.0
+  assert float(rl.routing_agreement(logits, jnp.asarray(mixed), mask)) == pytest.approx(0.6)
+
+
+# --- trainer_guidance -----------------------------------------------------------------------
+
+
+def fake_rollout(guidance, codes, n=3, t=7):
+  zeros = jnp.zeros((n, t), jnp.int32)
+  return rollout.RolloutResult(zeros, zeros > 0, zeros > 0, zeros.astype(jnp.float32), (None,) * 3, guidance, codes)
+
+
+def test_trainer_guidance_slices_and_merges():
+  n, t, h = 3, 7, 32
+
+  def arr(*shape, dtype=jnp.uint8):
+    return jnp.asarray(RNG.integers(0, 255, shape), dtype)
+
+  mantissa = Guidance(mantissa_bits=arr(n, t, h // 8), scales=arr(n, t, h // 16), tensor_scale=jnp.float32(0.5))
+  full = Guidance(codes=arr(n, t, h // 2), scales=arr(n, t, h // 16))
+  diag = {"moe_input": Guidance(codes=arr(n, t, h // 2), scales=arr(n, t, h // 16))}
+  result = fake_rollout(
+    guidance=({}, {"moe_input": mantissa}, {"moe_input": full}),  # layer 0 unguided; 1 compact; 2 full
+    codes=(diag, diag, diag),
+  )
+  layers = train.trainer_guidance(result)
+  assert len(layers) == 3
+  # Unguided layer: the diagnostic codes alone (no rollout scales to steer the trainer).
+  g0 = layers[0]["moe_input"]
+  assert g0.mantissa_bits is None and g0.scales is None and g0.tensor_scale is None
+  np.testing.assert_array_equal(g0.codes, diag["moe_input"].codes[:, :-1])
+  # Compact guidance: mantissa bits and scales cut to T-1, the diagnostic codes ride along.
+  g1 = layers[1]["moe_input"]
+  np.testing.assert_array_equal(g1.mantissa_bits, mantissa.mantissa_bits[:, :-1])
+  np.testing.assert_array_equal(g1.scales, mantissa.scales[:, :-1])
+  np.testing.assert_array_equal(g1.codes, diag["moe_input"].codes[:, :-1])
+  assert float(g1.tensor_scale) == 0.5  # a scalar is not sliced
+  # Full guidance keeps its own codes, not the diagnostic copy.
+  g2 = layers[2]["moe_input"]
+  np.testing.assert_array_equal(g2.codes, full.codes[:, :-1])
+  np.testing.assert_array_equal(g2.scales, full.scales[:, :-1])
+
+
+def test_trainer_guidance_without_recording():
+  result = fake_rollout(guidance=({}, {}, {}), codes=({}, {}, {}))
+  assert train.trainer_guidance(result) == ({}, {}, {})

@@ -1,0 +1,530 @@
+"""The GRPO loop end to end on a tiny MoE: modes, determinism, resume and preemption,
+checkpoint fallback, bad input, the NaN guard, metrics (JSONL and TensorBoard) and main.py.
+
+Compilation dominates the cost, so every run here shares one configuration (TINY) where it
+can, one module-scoped reference run (`reference`), and an on-disk XLA cache that later runs,
+in this process and in `python -m trace_jax.main` subprocesses, load instead of recompiling.
+Runs that do not test evaluation replace `train.evaluate` by a stub.
+"""
+
+import dataclasses
+import functools
+import glob
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+from tensorboardX.proto import event_pb2
+from tensorboardX.record_writer import masked_crc32c
+
+from configs import default
+from trace_jax import checkpoint, model, rollout, train
+from trace_jax.config import MODES, ConfigError
+from trace_jax.metrics_writer import read_metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The smallest model NVFP4 applies to (contraction dims multiples of 16), 2 layers so that
+# TRACE guides one and measures the other. 4 steps, checkpoints at 0, 2, 4, eval at 4.
+TINY = {
+  "model.hidden_size": 32,
+  "model.num_layers": 2,
+  "model.num_heads": 2,
+  "model.num_kv_heads": 1,
+  "model.head_dim": 16,
+  "model.num_experts": 4,
+  "model.num_experts_per_tok": 2,
+  "model.moe_intermediate_size": 16,
+  "batch_prompts": 2,
+  "rl.num_generations": 2,
+  "rl.kl_coef": 0.05,  # a KL anchor, so that resuming must restore the reference policy too
+  "rollout.max_new_tokens": 8,
+  "sft.steps": 2,
+  "sft.batch_size": 8,
+  "steps": 4,
+  "checkpoint_every": 2,
+  "eval_every": 4,
+  "eval_prompts": 8,
+  "data.num_train": 500,
+  "data.num_test": 50,
+}
+STEPS = TINY["steps"]
+
+# SPEC section 6 (and the loop's own bookkeeping): keys every FP4-mode row carries.
+SPEC_KEYS = (
+  "reward/mean",
+  "reward/accuracy",
+  "response/length_mean",
+  "loss/pg",
+  "loss/total",
+  "loss/clip_frac",
+  "loss/kl_ref",
+  "grad_norm",
+  "mismatch/logp_diff_mean",
+  "mismatch/logp_diff_max",
+  "mismatch/kl_k3",
+  "mismatch/is_ratio_mean",
+  "mismatch/is_ratio_outside_0.5_2",
+  "guidance/bytes_per_token",
+  "time/rollout_s",
+  "time/train_s",
+  *(f"routing_agreement/layer{i}" for i in range(2)),
+  *(f"agreement/{t}/layer{i}" for t in ("moe_input", "moe_hidden", "key", "value") for i in range(2)),
+)
+
+
+# --- fixtures and helpers -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def xla_cache(tmp_path_factory):
+  """An on-disk compilation cache for this module (unless the user runs with their own)."""
+  if jax.config.jax_compilation_cache_dir:
+    yield jax.config.jax_compilation_cache_dir
+    return
+  path = str(tmp_path_factory.mktemp("xla_cache"))
+  min_secs = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  compilation_cache.set_cache_dir(path)
+  compilation_cache.reset_cache()  # re-read the setting even if earlier tests compiled already
+  yield path
+  jax.config.update("jax_compilation_cache_dir", None)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
+  compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("tfds"))
+
+
+def tiny_config(data_dir, mode="trace", **overrides):
+  cfg = default.get_config(mode)
+  for key, value in {**TINY, "data.data_dir": data_dir, **overrides}.items():
+    section, _, field = key.rpartition(".")
+    (cfg[section] if section else cfg)[field] = value
+  return cfg
+
+
+def cli_overrides(data_dir, **overrides):
+  return [f"--config.{k}={v}" for k, v in {**TINY, "data.data_dir": data_dir, **overrides}.items()]
+
+
+@pytest.fixture
+def no_eval(monkeypatch):
+  monkeypatch.setattr(train, "evaluate", lambda *args, **kwargs: 0.0)
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory):
+  """The uninterrupted trace-mode run (with SFT and evaluation) the other tests compare with."""
+  workdir = str(tmp_path_factory.mktemp("reference"))
+  t0 = time.perf_counter()
+  summary = train.train_and_evaluate(tiny_config(data_dir), workdir)
+  print(f"reference run: {time.perf_counter() - t0:.1f} s")
+  return workdir, summary
+
+
+def rows_without_time(workdir):
+  """metrics.jsonl rows minus wall-clock times, as JSON text (so that NaN equals NaN)."""
+  rows = [{k: v for k, v in row.items() if not k.startswith("time/")} for row in read_metrics(workdir)]
+  return [json.dumps(row, sort_keys=True) for row in rows]
+
+
+def without_eval(rows):
+  """Rows from rows_without_time, less eval/accuracy (runs with the evaluation stubbed)."""
+  return [json.dumps({k: v for k, v in json.loads(r).items() if k != "eval/accuracy"}) for r in rows]
+
+
+def latest_state(cfg, workdir):
+  """(step, TrainState) of the newest readable checkpoint in `workdir`."""
+  tokenizer, _, _ = train.load_data(cfg)
+  run = train.RunConfig.from_config(cfg, tokenizer)
+  optimizer = train.make_optimizer(run.optim, cfg.steps)
+  params = model.init_params(run.model, jax.random.key(0))
+  template = train.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+  ckpt = checkpoint.Checkpointer(workdir)
+  try:
+    return ckpt.restore_latest(template)
+  finally:
+    ckpt.close()
+
+
+def assert_same_state(a, b):
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+
+
+def file_digests(directory):
+  """{relative path: sha256} of every file under `directory`."""
+  out = {}
+  for root, _, files in os.walk(directory):
+    for name in files:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
+  return out
+
+
+def corrupt_checkpoint(workdir, step):
+  """Truncate every array data file of one checkpoint (as a crash mid-write would leave it)."""
+  pattern = os.path.join(workdir, "checkpoints", str(step), "**", "d", "*")
+  files = [f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f)]
+  assert files, f"no array data files under checkpoints/{step}"
+  for f in files:
+    with open(f, "r+b") as fh:
+      fh.truncate(3)
+
+
+def read_tensorboard_scalars(logdir):
+  """{tag: {step: value}} from TFRecord event files, CRCs checked; later events win (as after a
+  resume's purge_step)."""
+  scalars = {}
+  paths = sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*")), key=os.path.getmtime)
+  assert paths, f"no event files in {logdir}"
+  for path in paths:
+    with open(path, "rb") as f:
+      data = f.read()
+    pos = 0
+    while pos < len(data):
+      header = data[pos : pos + 8]
+      (length,) = struct.unpack("<Q", header)
+      assert struct.unpack("<I", data[pos + 8 : pos + 12])[0] == masked_crc32c(header)
+      payload = data[pos + 12 : pos + 12 + length]
+      assert struct.unpack("<I", data[pos + 12 + length : pos + 16 + length])[0] == masked_crc32c(payload)
+      pos += 16 + length
+      event = event_pb2.Event.FromString(payload)
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+  return scalars
+
+
+def run_main(args, **kwargs):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2"}
+  if jax.config.jax_compilation_cache_dir:
+    env["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir
+  return subprocess.Popen(
+    [sys.executable, "-m", "trace_jax.main", *args],
+    cwd=REPO,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    **kwargs,
+  )
+
+
+# --- the reference run: metrics and TensorBoard ---------------------------------------------
+
+
+def test_reference_run_writes_every_metric(reference):
+  workdir, summary = reference
+  rows = read_metrics(workdir)
+  assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+  for row in rows:
+    missing = [k for k in SPEC_KEYS if k not in row]
+    assert not missing, f"step {row['step']} lacks {missing}"
+    assert row["finite"] is True
+    for key in SPEC_KEYS:
+      assert math.isfinite(row[key]), (row["step"], key, row[key])
+    for key in SPEC_KEYS:
+      if "agreement" in key:
+        assert 0.0 <= row[key] <= 1.0, (key, row[key])
+    assert row["mismatch/logp_diff_max"] >= row["mismatch/logp_diff_mean"] > 0  # FP4 engine vs trainer
+    assert row["mismatch/kl_k3"] >= 0
+    assert row["guidance/bytes_per_token"] > 0
+    assert 0 < row["response/length_mean"] <= TINY["rollout.max_new_tokens"]
+  assert "eval/accuracy" in rows[-1] and all("eval/accuracy" not in r for r in rows[:-1])
+  with open(os.path.join(workdir, "summary.json")) as f:
+    assert json.load(f) == summary
+  assert summary["mode"] == "trace" and summary["steps"] == STEPS
+  for key in ("final/accuracy_bf16_engine", "final/accuracy_fp4_engine"):
+    assert 0.0 <= summary[key] <= 1.0
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["0", "2", "4"]
+
+
+def test_tensorboard_holds_the_jsonl_scalars(reference):
+  workdir, _ = reference
+  scalars = read_tensorboard_scalars(os.path.join(workdir, "tensorboard"))
+  for row in read_metrics(workdir):
+    for key, value in row.items():
+      if key == "step" or isinstance(value, bool) or not math.isfinite(value):
+        continue
+      assert scalars[key][row["step"]] == pytest.approx(value, rel=1e-6), key
+
+
+# --- modes ----------------------------------------------------------------------------------
+
+
+def test_every_mode_resolves_to_its_engine_and_trainer(data_dir):
+  """SPEC section 7: what each mode means for the rollout engine and the trainer."""
+  cfg = tiny_config(data_dir)
+  tokenizer, _, _ = train.load_data(cfg)
+  runs = {mode: train.RunConfig.from_config(tiny_config(data_dir, mode), tokenizer).mode for mode in MODES}
+  assert set(runs) == {"bf16", "fp4", "qat", "quads", "trace", "trace_full"}
+  quant = runs["qat"].trainer_quant
+  assert quant.targets == ("experts", "kv") and quant.weights and quant.activations
+  # BF16 engine and trainer.
+  assert runs["bf16"].rollout.quant is None and runs["bf16"].trainer_quant is None
+  for mode in ("fp4", "qat", "quads", "trace", "trace_full"):
+    assert runs[mode].rollout.quant == quant, mode  # FP4 W4A4 experts + FP4 KV cache
+    assert runs[mode].rollout.record_codes, mode  # per-layer agreement diagnostics
+  # fp4: a plain BF16 trainer (no fake-quant); qat: RTN everywhere; quads: weight-only experts.
+  assert runs["fp4"].trainer_quant.targets == () and not runs["fp4"].guided
+  assert not runs["qat"].guided and runs["qat"].rollout.guided_layers == ()
+  assert runs["quads"].trainer_quant.targets == ("experts",)
+  assert runs["quads"].trainer_quant.weights and not runs["quads"].trainer_quant.activations
+  # trace: guided by mantissa + scale in the deeper half; trace_full: full codes everywhere.
+  assert runs["trace"].guided and runs["trace"].trainer_quant == quant
+  assert runs["trace"].rollout.guided_layers == (1,) and runs["trace"].rollout.guidance_form == "mantissa_scale"
+  assert runs["trace_full"].guided and runs["trace_full"].rollout.guided_layers == (0, 1)
+  assert runs["trace_full"].rollout.guidance_form == "full"
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp4"])
+def test_mode_runs_an_rl_step(mode, data_dir, tmp_path, no_eval):
+  """bf16 and fp4 end to end (trace is the reference run; the other modes are traced below)."""
+  cfg = tiny_config(data_dir, mode, steps=1, **{"sft.steps": 0})
+  summary = train.train_and_evaluate(cfg, str(tmp_path))
+  (row,) = read_metrics(str(tmp_path))
+  assert summary["mode"] == mode and summary["steps"] == 1 and row["finite"] is True
+  assert math.isfinite(row["loss/total"]) and math.isfinite(row["mismatch/logp_diff_mean"])
+  assert "routing_agreement/layer0" in row
+  if mode == "bf16":
+    assert row["guidance/bytes_per_token"] == 0
+    assert not any(k.startswith("agreement/") and math.isfinite(v) for k, v in row.items())
+    assert row["mismatch/logp_diff_mean"] < 0.05  # BF16 engine vs BF16 trainer
+  else:
+    assert row["guidance/bytes_per_token"] == 0  # fp4 ships no guidance, its codes are diagnostics
+    assert all(0 <= row[k] <= 1 for k in SPEC_KEYS if k.startswith("agreement/"))
+
+
+@pytest.mark.parametrize("mode", ["qat", "quads", "trace_full"])
+def test_other_modes_trace_an_rl_step(mode, data_dir):
+  """qat, quads and trace_full differ from trace only in static settings, so tracing their whole
+  RL step (weight sync, FP4 rollout, trainer batch, GRPO update) with jax.eval_shape checks them
+  without paying three more compilations."""
+  cfg = tiny_config(data_dir, mode)
+  tokenizer, _, _ = train.load_data(cfg)
+  run = train.RunConfig.from_config(cfg, tokenizer)
+  optimizer = train.make_optimizer(run.optim, cfg.steps)
+  n, p = cfg.batch_prompts * cfg.rl.num_generations, cfg.data.max_prompt_len
+
+  def rl_step(params, prompts, prompt_mask, key):
+    state = train.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    engine = rollout.weight_sync(params, run.mode.rollout.quant)
+    result = rollout.generate(
+      engine, prompts, prompt_mask, key, model_config=run.model, rollout_config=run.mode.rollout, sampling=run.sampling
+    )
+    batch = train.train_batch_from_rollout(result, jnp.zeros((n,), jnp.float32), run.grpo.routing_replay)
+    batch = dataclasses.replace(batch, ref_logp=batch.rollout_logp)
+    return train.make_rl_step(run, optimizer)(state, batch, first=True)
+
+  params = jax.eval_shape(functools.partial(model.init_params, run.model), jax.random.key(0))
+  tokens = jax.ShapeDtypeStruct((n, p), jnp.int32)
+  state, logp, metrics = jax.eval_shape(rl_step, params, tokens, jax.ShapeDtypeStruct((n, p), bool), jax.random.key(1))
+  assert logp.shape == (n, p + cfg.rollout.max_new_tokens - 1)
+  assert jax.tree_util.tree_structure(state.params) == jax.tree_util.tree_structure(params)
+  missing = [
+    k for k in SPEC_KEYS if k not in metrics and k.split("/")[0] not in ("reward", "response", "time", "guidance")
+  ]
+  assert not missing, missing
+
+
+# --- determinism and resume -----------------------------------------------------------------
+
+
+def test_same_seed_gives_the_same_run(reference, data_dir, tmp_path):
+  workdir, summary = reference
+  again = train.train_and_evaluate(tiny_config(data_dir), str(tmp_path))
+  assert again == summary
+  assert rows_without_time(str(tmp_path)) == rows_without_time(workdir)
+  cfg = tiny_config(data_dir)
+  assert_same_state(latest_state(cfg, str(tmp_path))[1], latest_state(cfg, workdir)[1])
+
+
+def test_a_shorter_run_extended_matches_the_uninterrupted_one(reference, data_dir, tmp_path, no_eval):
+  """steps=2, then steps=4 in the same workdir == steps=4 at once.
+
+  The LR schedule's horizon is config.steps; with warmup_steps (5) >= steps it does not
+  depend on it here. With a shorter warmup, extending a run changes the cosine decay of the
+  remaining steps, so that the final parameters differ from a run planned that long.
+  """
+  workdir, _ = reference
+  cfg = tiny_config(data_dir)
+  assert cfg.optim.warmup_steps >= STEPS
+  train.train_and_evaluate(tiny_config(data_dir, steps=2), str(tmp_path))
+  assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2]
+  train.train_and_evaluate(cfg, str(tmp_path))
+  ours, theirs = rows_without_time(str(tmp_path)), rows_without_time(workdir)
+  assert without_eval(ours) == without_eval(theirs)
+  step, state = latest_state(cfg, str(tmp_path))
+  ref_step, ref_state = latest_state(cfg, workdir)
+  assert step == ref_step == STEPS
+  assert_same_state(state, ref_state)
+
+
+def test_sigterm_checkpoints_and_the_resumed_run_matches(reference, data_dir, tmp_path):
+  """A real preemption: SIGTERM to `python -m trace_jax.main` after its first logged RL step."""
+  workdir, _ = reference
+  proc = run_main(["--config=configs/default.py:trace", f"--workdir={tmp_path}", *cli_overrides(data_dir)])
+  metrics = tmp_path / "metrics.jsonl"
+  deadline = time.monotonic() + 300
+  while not (metrics.exists() and metrics.read_text().strip()):
+    assert proc.poll() is None, f"main exited early ({proc.returncode}):\n{proc.communicate()[1][-3000:]}"
+    assert time.monotonic() < deadline, "no RL step logged within 300 s"
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  stdout, stderr = proc.communicate(timeout=300)
+  assert proc.returncode == 0, stderr[-3000:]
+  assert "SIGTERM" in stderr
+  saved = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints"))
+  stopped = max(saved)
+  assert 1 <= stopped < STEPS, f"the run was not interrupted (checkpoints {saved})"
+  assert [r["step"] for r in read_metrics(str(tmp_path))] == list(range(1, stopped + 1))
+  assert json.loads(stdout)["steps"] == stopped
+
+  cfg = tiny_config(data_dir)
+  train.train_and_evaluate(cfg, str(tmp_path))  # resume in-process, with evaluation at step 4
+  assert rows_without_time(str(tmp_path)) == rows_without_time(workdir)
+  assert_same_state(latest_state(cfg, str(tmp_path))[1], latest_state(cfg, workdir)[1])
+  # TensorBoard: the resumed run's scalars replace the dropped tail.
+  scalars = read_tensorboard_scalars(str(tmp_path / "tensorboard"))
+  assert sorted(scalars["reward/mean"]) == list(range(1, STEPS + 1))
+
+
+# --- checkpoints ----------------------------------------------------------------------------
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(reference, data_dir, tmp_path, caplog, no_eval):
+  workdir, _ = reference
+  copy = str(tmp_path / "run")
+  shutil.copytree(workdir, copy)
+  corrupt_checkpoint(copy, STEPS)
+  corrupt = file_digests(os.path.join(copy, "checkpoints", str(STEPS)))
+  cfg = tiny_config(data_dir)
+  with caplog.at_level(logging.WARNING):
+    step, state = latest_state(cfg, copy)
+  assert step == 2 and int(state.step) == 2
+  assert any("step 4" in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records)
+  # The unreadable checkpoint is moved aside, not deleted, so that step 4 can be saved again.
+  assert file_digests(os.path.join(copy, "checkpoints.unreadable", str(STEPS))) == corrupt
+  assert sorted(os.listdir(os.path.join(copy, "checkpoints"))) == ["0", "2"]
+  # Resuming there redoes steps 3 and 4 as the first run did.
+  train.train_and_evaluate(cfg, copy)
+  assert without_eval(rows_without_time(copy)) == without_eval(rows_without_time(workdir))
+  step, state = latest_state(cfg, copy)
+  assert step == STEPS
+  assert_same_state(state, latest_state(cfg, workdir)[1])
+
+
+def test_no_readable_checkpoint_is_an_error_and_nothing_is_deleted(reference, data_dir, tmp_path):
+  workdir, _ = reference
+  copy = str(tmp_path / "run")
+  shutil.copytree(workdir, copy)
+  for step in (0, 2, 4):
+    corrupt_checkpoint(copy, step)
+  before = file_digests(copy)
+  cfg = tiny_config(data_dir)
+  with pytest.raises(checkpoint.CheckpointError, match="nothing was deleted") as e:
+    latest_state(cfg, copy)
+  assert all(f"step {s}" in str(e.value) for s in (0, 2, 4))
+  with pytest.raises(checkpoint.CheckpointError):
+    train.train_and_evaluate(cfg, copy)
+  assert file_digests(copy) == before
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "overrides, field",
+  [
+    ({"mode": "int8"}, "config.mode"),
+    ({"rl.num_generations": 1}, "config.rl.num_generations"),
+    ({"model.num_experts_per_tok": 5}, "config.model.num_experts_per_tok"),
+    ({"model.moe_intermediate_size": 24}, "config.model.moe_intermediate_size"),  # not whole NVFP4 blocks
+    ({"model.num_kv_heads": 3}, "config.model.num_heads"),
+    ({"optim.learning_rate": 0.0}, "config.optim.learning_rate"),
+  ],
+)
+def test_inconsistent_config_is_refused_before_anything_is_written(overrides, field, data_dir, tmp_path):
+  workdir = tmp_path / "run"
+  with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+    train.train_and_evaluate(tiny_config(data_dir, **overrides), str(workdir))
+  assert not workdir.exists()
+
+
+def test_unknown_config_field_is_refused(data_dir, tmp_path):
+  cfg = tiny_config(data_dir)
+  cfg.rl.tis_clip = 2.0  # a typo of tis_cap
+  with pytest.raises(ConfigError, match=r"config\.rl\.tis_clip"):
+    train.train_and_evaluate(cfg, str(tmp_path / "run"))
+
+
+def test_a_workdir_of_another_config_is_refused_untouched(reference, data_dir, tmp_path):
+  workdir, _ = reference
+  copy = str(tmp_path / "run")
+  shutil.copytree(workdir, copy)
+  before = file_digests(copy)
+  with pytest.raises(ConfigError, match=r"another config.*'seed'"):
+    train.train_and_evaluate(tiny_config(data_dir, seed=1), copy)
+  with pytest.raises(ConfigError, match=r"another config.*'mode'"):
+    train.train_and_evaluate(tiny_config(data_dir, "qat"), copy)
+  assert file_digests(copy) == before
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data_dir, tmp_path, monkeypatch, no_eval):
+  """NaN rewards from step 3 on make the loss NaN: the update is skipped, the run stops with a
+  FloatingPointError naming the step-2 checkpoint, which stays on disk."""
+  rewards = train.data.batch_rewards
+  calls = []
+
+  def nan_from_step_3(answers, *args, **kwargs):
+    calls.append(1)
+    out = rewards(answers, *args, **kwargs)
+    return out * np.nan if len(calls) >= 3 else out
+
+  monkeypatch.setattr(train.data, "batch_rewards", nan_from_step_3)
+  cfg = tiny_config(data_dir)
+  with pytest.raises(FloatingPointError, match=r"step 3.*last good checkpoint is step 2") as e:
+    train.train_and_evaluate(cfg, str(tmp_path))
+  assert os.path.join(str(tmp_path), "checkpoints") in str(e.value)
+  assert sorted(int(s) for s in os.listdir(tmp_path / "checkpoints")) == [0, 2]
+  assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2]
+  step, state = latest_state(cfg, str(tmp_path))
+  assert step == 2 and int(state.step) == 2
+
+
+# --- main.py --------------------------------------------------------------------------------
+
+
+def test_main_helpfull():
+  proc = run_main(["--helpfull"])
+  stdout, stderr = proc.communicate(timeout=300)
+  assert proc.returncode == 1, stderr[-2000:]  # absl's help flags print to stdout and exit 1
+  assert "trace_jax/main.py:" in stdout and "--config: Path to a get_config() file" in stdout
+  assert "--workdir: Directory for checkpoints" in stdout
+
+
+def test_main_bad_config_exits_2_with_a_message(data_dir, tmp_path):
+  workdir = tmp_path / "run"
+  proc = run_main(["--config=configs/default.py:int8", f"--workdir={workdir}", *cli_overrides(data_dir)])
+  _, stderr = proc.communicate(timeout=300)
+  assert proc.returncode == 2, stderr[-2000:]
+  assert "error: config.mode: unknown mode 'int8'" in stderr
+  assert "Traceback" not in stderr
+  assert not workdir.exists()
