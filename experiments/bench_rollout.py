@@ -1,0 +1,209 @@
+"""Rollout throughput: trace_jax's engine (BF16 and FP4) against Hugging Face transformers `generate`.
+
+  python experiments/bench_rollout.py [--threads N] [--batches 8,64] [--new_tokens 64] [--repeats 2]
+                                      [--hf_dtypes float32,bfloat16]
+
+One process, one tiny-but-not-trivial Qwen3-MoE (hidden 256, 4 layers, 8 heads / 4 KV heads,
+head_dim 32, 16 experts top-2, moe_intermediate 128, vocab 1024), initialized by
+`model.init_params` and exported with `trace_jax.hf.save_pretrained`, so both sides hold the
+same weights. Every system decodes the same prompts (16 tokens, unpadded) greedily for exactly
+`new_tokens` tokens: our engine with EOS disabled (eos_id -1), transformers with
+`max_new_tokens = min_new_tokens = new_tokens` and no EOS token.
+
+  ours bf16         rollout.generate, quant=None: bf16 weights, activations and KV cache.
+  ours fp4          rollout.generate, NVFP4 W4A4 routed experts + FP4 KV cache (no guidance
+                    recorded). On CPU the packed experts are dequantized for every grouped matmul
+                    (the jnp reference): no FP4 arithmetic, so this measures the overhead of FP4
+                    storage, not the speed of FP4 tensor cores.
+  transformers dt   Qwen3MoeForCausalLM.generate in dtype dt with its default experts and attention
+                    implementations (printed), DynamicCache, torch.inference_mode.
+
+Threads: `--threads` (default: all cores) sets torch.set_num_threads and XLA:CPU's intra-op pool
+(XLA_FLAGS, before jax is imported). On a machine shared with other jobs, multi-threaded torch
+stalls badly at its OpenMP barriers; run with --threads 1 as well to see both sides uncontended.
+
+Ours compiles once per (batch, config): the first call (compile + run) is reported apart from the
+steady state. transformers is warmed up with a 2-token generate. The timed runs are interleaved
+(round r runs every system at every batch before round r + 1) and the median is reported. Ratios
+are against the fastest transformers dtype at each batch. Besides wall-clock new tokens/s, each
+run's process CPU seconds are shown: wall time includes waiting for a core, CPU time does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+GOAL = 5.0  # ours / transformers at the largest batch
+PROMPT_LEN = 16
+
+
+def _args():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch and XLA:CPU threads")
+  p.add_argument("--batches", default="8,64", help="comma-separated batch sizes")
+  p.add_argument("--new_tokens", type=int, default=64)
+  p.add_argument("--repeats", type=int, default=2, help="timed runs per system and batch, after the first")
+  p.add_argument("--hf_dtypes", default="float32,bfloat16", help="transformers dtypes to time")
+  p.add_argument("--seed", type=int, default=0)
+  return p.parse_args()
+
+
+def _set_xla_threads(threads: int):
+  """XLA:CPU reads its thread pool size from XLA_FLAGS once, when jax initializes its backend."""
+  flags = f"--xla_cpu_multi_thread_eigen={'false' if threads == 1 else 'true'} intra_op_parallelism_threads={threads}"
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+
+
+def main():
+  args = _args()
+  _set_xla_threads(args.threads)
+  # Imported here so that XLA_FLAGS above takes effect.
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import torch
+  import transformers
+
+  from trace_jax import hf, model, rollout
+  from trace_jax.config import ModelConfig, QuantConfig, RolloutConfig, SamplingConfig
+
+  config = ModelConfig(
+    vocab_size=1024,
+    hidden_size=256,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=32,
+    num_experts=16,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+  )
+
+  def ours(params, quant, dtype="bfloat16"):
+    engine = rollout.weight_sync(params, quant, jnp.dtype(dtype))
+    rollout_config = RolloutConfig(quant=quant, compute_dtype=dtype)
+    sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0.0, eos_id=-1)  # no EOS
+
+    def run(prompts, new_tokens=None):
+      del new_tokens  # always sampling.max_new_tokens
+      tokens = jnp.asarray(prompts)
+      res = rollout.generate(
+        engine,
+        tokens,
+        jnp.ones_like(tokens),
+        jax.random.key(0),
+        model_config=config,
+        rollout_config=rollout_config,
+        sampling=sampling,
+      )
+      return np.asarray(res.tokens[:, PROMPT_LEN:])  # blocks until done
+
+    return run
+
+  def theirs(hf_model):
+    def run(prompts, new_tokens=args.new_tokens):
+      ids = torch.from_numpy(prompts.astype(np.int64))
+      with torch.inference_mode():
+        out = hf_model.generate(
+          input_ids=ids,
+          attention_mask=torch.ones_like(ids),
+          max_new_tokens=new_tokens,
+          min_new_tokens=new_tokens,
+          do_sample=False,
+          eos_token_id=None,
+          pad_token_id=0,
+        )
+      return out[:, PROMPT_LEN:].numpy()
+
+    return run
+
+  def timed(fn, *fn_args):
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn(*fn_args)
+    return out, time.perf_counter() - wall, time.process_time() - cpu
+
+  torch.set_num_threads(args.threads)
+  batches = [int(b) for b in args.batches.split(",")]
+  print(
+    f"host: {platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
+    f"threads: torch {torch.get_num_threads()}, XLA_FLAGS={os.environ['XLA_FLAGS']!r}; jax {jax.__version__} "
+    f"({jax.default_backend()}), torch {torch.__version__}, transformers {transformers.__version__}"
+  )
+  params = jax.jit(model.init_params, static_argnums=0)(config, jax.random.key(args.seed))
+  systems = {"ours bf16": ours(params, None), "ours fp4": ours(params, QuantConfig())}
+  hf_names = []
+  with tempfile.TemporaryDirectory() as path:
+    hf.save_pretrained(path, config, params)
+    for dtype in args.hf_dtypes.split(","):
+      hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+      name = f"transformers {dtype}"
+      print(
+        f"{name}: {type(hf_model).__name__}, experts={hf_model.config._experts_implementation}, "
+        f"attention={hf_model.config._attn_implementation}"
+      )
+      systems[name] = theirs(hf_model)
+      hf_names.append(name)
+  rng = np.random.default_rng(args.seed)
+  prompts = {b: rng.integers(3, config.vocab_size, (b, PROMPT_LEN)).astype(np.int32) for b in batches}
+
+  first, runs, outputs = {}, {}, {}
+  for b in batches:  # first calls: our compiles, transformers' warm-up (2 tokens)
+    for name, fn in systems.items():
+      _, first[name, b], _ = timed(fn, prompts[b], 2)
+      print(f"  first call {name:>22} batch {b:3d}: {first[name, b]:7.2f} s", flush=True)
+  for r in range(args.repeats):
+    for b in batches:
+      for name, fn in systems.items():
+        out, wall, cpu = timed(fn, prompts[b])
+        assert out.shape == (b, args.new_tokens), out.shape
+        outputs[name, b] = out
+        runs.setdefault((name, b), []).append((wall, cpu))
+        print(f"  round {r} {name:>22} batch {b:3d}: {wall:7.2f} s wall, {cpu:7.2f} s CPU", flush=True)
+
+  wall = {k: statistics.median(w for w, _ in v) for k, v in runs.items()}
+  cpu = {k: statistics.median(c for _, c in v) for k, v in runs.items()}
+  speed = {(name, b): b * args.new_tokens / wall[name, b] for name, b in runs}
+  best = {b: max(hf_names, key=lambda n: speed[n, b]) for b in batches}
+  print(
+    f"\n{args.new_tokens} new tokens per sequence, prompt {PROMPT_LEN}, greedy, {args.threads} thread(s); "
+    f"median of {args.repeats} runs\n"
+    "| system | batch | first call s | steady s | new tokens/s | CPU s/run | new tokens/CPU-s | vs fastest transformers |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|"
+  )
+  for b in batches:
+    for name in systems:
+      first_call = f"{first[name, b]:.2f}" if name not in hf_names else "-"
+      print(
+        f"| {name} | {b} | {first_call} | {wall[name, b]:.3f} | {speed[name, b]:.0f} | {cpu[name, b]:.2f} | "
+        f"{b * args.new_tokens / cpu[name, b]:.0f} | {speed[name, b] / speed[best[b], b]:.2f}x |"
+      )
+  largest = max(batches)
+  for name in ("ours bf16", "ours fp4"):
+    ratio = speed[name, largest] / speed[best[largest], largest]
+    verdict = "meets" if ratio >= GOAL else "misses"
+    print(f"{name} / {best[largest]} at batch {largest}: {ratio:.2f}x ({verdict} the {GOAL:.0f}x goal)")
+
+  # Same model on both sides: compare greedy tokens. bf16 flips near-ties of this random model's flat
+  # logits; an fp32 engine (untimed) should reproduce transformers float32 token for token.
+  b = batches[0]
+  compared = {"ours bf16": outputs["ours bf16", b]}
+  reference = "transformers float32" if "transformers float32" in hf_names else hf_names[0]
+  if reference == "transformers float32":
+    compared["ours fp32 (untimed)"] = ours(params, None, "float32")(prompts[b])
+  for name, tokens in compared.items():
+    theirs_tokens = outputs[reference, b]
+    differ = tokens != theirs_tokens
+    diverge = np.where(differ.any(1), differ.argmax(1), tokens.shape[1])
+    print(
+      f"greedy tokens, {name} vs {reference}, batch {b}: {np.mean(~differ):.1%} equal, "
+      f"{np.mean(diverge == tokens.shape[1]):.0%} of rows identical, mean first divergence at token {diverge.mean():.1f}"
+    )
+
+
+if __name__ == "__main__":
+  main()

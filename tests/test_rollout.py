@@ -1,0 +1,447 @@
+"""The rollout engine against the trainer: log-prob parity, weight sync, TRACE guidance, sampling.
+
+References: the trainer's teacher-forced `model.forward` for log-probs, greedy choices,
+codes and routing; the trainer's RTN fake-quantizer for the packed expert weights; plain
+numpy temperature / top-k / top-p distributions (chi-square) for `rollout.sample`.
+Each `generate` configuration is compiled once (module-scoped fixtures, fixed shapes, always
+passing `seq_ids`). Run with `-s` to see the measured mismatch figures.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from trace_jax import fp4, model, qat, quantizer, rollout
+from trace_jax.config import ConfigError, ModelConfig, QuantConfig, RolloutConfig, SamplingConfig, deeper_layers
+
+CFG = ModelConfig(
+  vocab_size=40,
+  hidden_size=64,
+  num_layers=4,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=32,
+  num_experts=8,
+  num_experts_per_tok=2,
+  moe_intermediate_size=32,
+  rope_theta=10_000.0,
+  initializer_range=0.06,  # 3x HF's default: larger activations make the FP4 mismatch visible
+)
+L = CFG.num_layers
+B, P, NEW = 4, 6, 8
+PADS = (0, 2, 3, 1)  # left padding per row (row 0 unpadded)
+QUANT = QuantConfig()  # NVFP4 W4A4 experts + FP4 KV cache
+
+FP32_ENGINE = RolloutConfig(quant=None, compute_dtype="float32")
+BF16_ENGINE = RolloutConfig(quant=None)
+FP4_FULL = RolloutConfig(quant=QUANT, guided_layers=tuple(range(L)), guidance_form="full", record_codes=True)
+FP4_COMPACT = RolloutConfig(
+  quant=QUANT, guided_layers=deeper_layers(L, 0.5), guidance_form="mantissa_scale", record_codes=True
+)
+SAMPLE = SamplingConfig(max_new_tokens=NEW, temperature=1.0, eos_id=2)
+GREEDY = SamplingConfig(max_new_tokens=NEW, temperature=0.0, eos_id=2)
+
+TRAIN_FP32 = qat.QatContext(compute_dtype=jnp.float32)
+TRAIN_BF16 = qat.QatContext()
+TRAIN_RTN = qat.QatContext(QUANT, guided=False)
+TRAIN_GUIDED = qat.QatContext(QUANT, guided=True)
+TRAIN_TRACE = qat.QatContext(QUANT, guided=True, guided_layers=deeper_layers(L, 0.5))
+
+
+def gen(engine_params, tokens, mask, key, rollout_config, sampling, seq_ids=None):
+  """generate() with seq_ids always given, so each configuration compiles once."""
+  seq_ids = jnp.arange(tokens.shape[0]) if seq_ids is None else seq_ids
+  return rollout.generate(
+    engine_params,
+    tokens,
+    mask,
+    key,
+    model_config=CFG,
+    rollout_config=rollout_config,
+    sampling=sampling,
+    seq_ids=seq_ids,
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("ctx",))
+def _forward(params, tokens, mask, ctx, guidance, replay_ids):
+  return model.forward(params, tokens, mask, CFG, ctx=ctx, guidance=guidance, replay_ids=replay_ids)
+
+
+def drop_last(tree):
+  """Rollout records are laid out [B, T, ...]; the trainer sees inputs tokens[:, :-1]."""
+  return jax.tree_util.tree_map(lambda a: a[:, :-1] if a.ndim >= 2 else a, tree)
+
+
+def trainer(params, res: rollout.RolloutResult, ctx, guidance=None, replay=False):
+  """Teacher-forced trainer on the rollout's tokens: (log-probs of tokens[:, 1:], logits, aux)."""
+  replay_ids = drop_last(res.topk_ids) if replay else None
+  guidance = None if guidance is None else drop_last(guidance)
+  logits, aux = _forward(params, res.tokens[:, :-1], res.mask[:, :-1], ctx, guidance, replay_ids)
+  return model.token_logprobs(logits, res.tokens[:, 1:]), logits, aux
+
+
+def dlogp(train_logprobs, res: rollout.RolloutResult):
+  """(mean, max) |logp_train - logp_rollout| over response tokens."""
+  m = np.asarray(res.response_mask[:, 1:], bool)
+  d = np.abs(np.asarray(train_logprobs) - np.asarray(res.logprobs[:, 1:]))[m]
+  return float(d.mean()), float(d.max())
+
+
+def agreement(aux, layers=None) -> tuple[int, int]:
+  """(matches, total) FP4 codes over the given layers (default all) and all their tensors."""
+  layers = range(L) if layers is None else layers
+  s = [aux.quant_stats[i][n] for i in layers for n in aux.quant_stats[i]]
+  return sum(int(x.matches) for x in s), sum(int(x.total) for x in s)
+
+
+def per_layer_agreement(aux) -> list[str]:
+  return [
+    " ".join(f"{n}={int(s.matches) / max(int(s.total), 1):.3f}" for n, s in sorted(aux.quant_stats[i].items()))
+    for i in range(L)
+  ]
+
+
+# --- fixtures -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def params():
+  return jax.jit(model.init_params, static_argnums=0)(CFG, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def batch():
+  tokens = jax.random.randint(jax.random.key(1), (B, P), 3, CFG.vocab_size)  # no pad/eos in prompts
+  mask = (jnp.arange(P)[None, :] >= jnp.asarray(PADS)[:, None]).astype(jnp.int32)
+  return tokens * mask, mask
+
+
+@pytest.fixture(scope="module")
+def fp32_engine(params):
+  return rollout.weight_sync(params, None, jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def fp32_sampled(fp32_engine, batch):
+  return gen(fp32_engine, *batch, jax.random.key(5), FP32_ENGINE, SAMPLE)
+
+
+@pytest.fixture(scope="module")
+def greedy(fp32_engine, batch):
+  return gen(fp32_engine, *batch, jax.random.key(5), FP32_ENGINE, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def fp4_engine(params):
+  return rollout.weight_sync(params, QUANT)
+
+
+@pytest.fixture(scope="module")
+def fp4_full(fp4_engine, batch):
+  return gen(fp4_engine, *batch, jax.random.key(5), FP4_FULL, SAMPLE)
+
+
+@pytest.fixture(scope="module")
+def fp4_compact(fp4_engine, batch):
+  return gen(fp4_engine, *batch, jax.random.key(5), FP4_COMPACT, SAMPLE)
+
+
+@pytest.fixture(scope="module")
+def fp4_rtn_trainer(params, fp4_full):
+  """Vanilla QAT (RTN) trainer, measuring its codes against the rollout's full codes."""
+  return trainer(params, fp4_full, TRAIN_RTN, fp4_full.codes, replay=True)
+
+
+@pytest.fixture(scope="module")
+def fp4_guided_trainer(params, fp4_full):
+  """TRACE trainer guided by full codes in every layer (the trace_full ablation)."""
+  return trainer(params, fp4_full, TRAIN_GUIDED, fp4_full.guidance, replay=True)
+
+
+# --- BF16 engine: log-prob parity -------------------------------------------------------------
+
+
+def test_fp32_engine_logprobs_equal_trainer(params, fp32_sampled):
+  lp, _, _ = trainer(params, fp32_sampled, TRAIN_FP32)
+  mean, mx = dlogp(lp, fp32_sampled)
+  print(f"\nfp32 engine vs fp32 trainer: mean |dlogp| {mean:.2e}, max {mx:.2e}")
+  assert int(fp32_sampled.response_mask.sum()) > 2 * B
+  assert mx < 1e-4
+
+
+def test_bf16_engine_mismatch_is_real_but_small(params, batch):
+  """The bf16 engine computes differently from the trainer (the mismatch TRACE targets)."""
+  res = gen(rollout.weight_sync(params, None), *batch, jax.random.key(5), BF16_ENGINE, SAMPLE)
+  figures = {}
+  for name, ctx in (("fp32", TRAIN_FP32), ("bf16", TRAIN_BF16)):
+    lp, _, aux = trainer(params, res, ctx)
+    figures[name] = dlogp(lp, res)
+    real = np.asarray(res.mask[:, :-1], bool)
+    routed = [
+      np.mean(np.all(np.asarray(a) == np.asarray(r[:, :-1]), -1)[real]) for a, r in zip(aux.topk_ids, res.topk_ids)
+    ]
+    print(
+      f"\nbf16 engine vs {name} trainer: mean |dlogp| {figures[name][0]:.4f}, max {figures[name][1]:.4f}; "
+      f"top-k routing agreement per layer (no replay) {np.round(routed, 3).tolist()}"
+    )
+  for mean, mx in figures.values():
+    assert 1e-4 < mx < 0.5 and mean < 0.1
+
+
+# --- weight sync ------------------------------------------------------------------------------
+
+
+def test_weight_sync_codes_equal_trainer_fake_quant(params, fp4_engine):
+  for layer, engine_layer in zip(params.layers, fp4_engine.layers):
+    for name in ("gate", "up", "down"):
+      w = getattr(layer.mlp, name)  # trainer [E, K, N]
+      packed = getattr(engine_layer.mlp, name)  # engine [E, N, K/2]
+      codes = quantizer.fake_quant_codes(jnp.swapaxes(w, 1, 2), QUANT.fmt)  # blocks along K
+      np.testing.assert_array_equal(np.asarray(packed.codes), np.asarray(fp4.pack_nibbles(codes)))
+      # and the values the trainer's W4 fake-quant multiplies with are the engine's dequantized weights
+      trained = TRAIN_RTN.weight(w, "experts", axis=1)
+      np.testing.assert_array_equal(np.asarray(trained), np.asarray(jnp.swapaxes(fp4.dequantize(packed), 1, 2)))
+
+
+# --- FP4 engine: TRACE guidance -----------------------------------------------------------------
+
+
+def test_guided_trainer_reproduces_rollout_codes(fp4_rtn_trainer, fp4_guided_trainer):
+  (m_rtn, t_rtn), (m_g, t_g) = agreement(fp4_rtn_trainer[2]), agreement(fp4_guided_trainer[2])
+  print(f"\nFP4 code agreement, all layers and tensors: RTN {m_rtn / t_rtn:.4f}, guided(full) {m_g / t_g:.4f}")
+  for i, (r, g) in enumerate(zip(per_layer_agreement(fp4_rtn_trainer[2]), per_layer_agreement(fp4_guided_trainer[2]))):
+    print(f"  layer {i}: RTN {r} | guided {g}")
+  assert t_g == t_rtn > 0
+  assert m_g / t_g >= 0.999
+  assert m_rtn < m_g
+
+
+def test_guided_logprobs_closer_to_rollout(fp4_full, fp4_rtn_trainer, fp4_guided_trainer):
+  rtn, guided = dlogp(fp4_rtn_trainer[0], fp4_full), dlogp(fp4_guided_trainer[0], fp4_full)
+  print(
+    f"\nFP4 engine vs QAT trainer |dlogp| mean/max: RTN {rtn[0]:.4f}/{rtn[1]:.4f}, guided(full) {guided[0]:.4f}/{guided[1]:.4f}"
+  )
+  assert guided[0] < rtn[0]
+
+
+def test_routing_replay_reproduces_rollout_experts(fp4_full, fp4_rtn_trainer):
+  real = np.asarray(fp4_full.mask[:, :-1], bool)
+  for ids, rollout_ids in zip(fp4_rtn_trainer[2].topk_ids, fp4_full.topk_ids):
+    np.testing.assert_array_equal(np.asarray(ids)[real], np.asarray(rollout_ids[:, :-1])[real])
+
+
+def test_compact_guidance_bytes(fp4_full, fp4_compact):
+  full = [rollout.guidance_bytes_per_token(g) for g in fp4_full.guidance]
+  compact = [rollout.guidance_bytes_per_token(g) for g in fp4_compact.guidance]
+  ratios = [c / f for c, f in zip(compact, full)]
+  total = fp4_compact.guidance_bytes_per_token / fp4_full.guidance_bytes_per_token
+  print(
+    f"\nguidance bytes/token per layer: full {full} (total {fp4_full.guidance_bytes_per_token}), "
+    f"mantissa_scale deeper half {compact} (total {fp4_compact.guidance_bytes_per_token}); "
+    f"per guided layer ratio {[round(r, 4) for r in ratios]}, total ratio {total:.4f}"
+  )
+  assert sum(full) == fp4_full.guidance_bytes_per_token and sum(compact) == fp4_compact.guidance_bytes_per_token
+  # NVFP4: 1.5 bits/element (mantissa bit + 8-bit scale per 16) against 4.5 (code + scale): 1/3 per layer
+  for i in range(L):
+    assert 3 * compact[i] == (full[i] if i in FP4_COMPACT.guided_layers else 0)
+  # ... and guiding only the deeper half: 1/6 of full codes in every layer
+  assert 6 * fp4_compact.guidance_bytes_per_token <= fp4_full.guidance_bytes_per_token
+
+
+def test_compact_guidance_is_the_mantissa_of_the_codes(fp4_full, fp4_compact):
+  """Recording is a side output: same tokens; the shipped bits and scales are those of the codes."""
+  np.testing.assert_array_equal(np.asarray(fp4_full.tokens), np.asarray(fp4_compact.tokens))
+  for i in FP4_COMPACT.guided_layers:
+    for name, g in fp4_compact.guidance[i].items():
+      codes = fp4_compact.codes[i][name]
+      bits = fp4.pack_bits(fp4.mantissa_bit(fp4.unpack_nibbles(codes.codes)))
+      np.testing.assert_array_equal(np.asarray(g.mantissa_bits), np.asarray(bits))
+      np.testing.assert_array_equal(np.asarray(g.scales).view(np.uint8), np.asarray(codes.scales).view(np.uint8))
+      assert g.codes is None
+
+
+def test_compact_guidance_steers_the_deeper_half(params, fp4_full, fp4_compact, fp4_rtn_trainer):
+  """TRACE mode: mantissa + scale in the deeper half, RTN below (codes alongside only to measure)."""
+  guidance = tuple(
+    {
+      n: dataclasses.replace(fp4_compact.guidance[i][n], codes=c.codes) if i in FP4_COMPACT.guided_layers else c
+      for n, c in fp4_compact.codes[i].items()
+    }
+    for i in range(L)
+  )
+  lp, _, aux = trainer(params, fp4_compact, TRAIN_TRACE, guidance, replay=True)
+  deep, shallow = FP4_COMPACT.guided_layers, [i for i in range(L) if i not in FP4_COMPACT.guided_layers]
+  (m_deep, t_deep), (m_shallow, t_shallow) = agreement(aux, deep), agreement(aux, shallow)
+  mean, mx = dlogp(lp, fp4_compact)
+  np.testing.assert_array_equal(np.asarray(fp4_full.tokens), np.asarray(fp4_compact.tokens))  # same rollout
+  rtn_mean = dlogp(fp4_rtn_trainer[0], fp4_full)[0]
+  print(
+    f"\nTRACE (mantissa_scale, layers {deep}): code agreement guided layers {m_deep / t_deep:.4f}, "
+    f"RTN layers {m_shallow / t_shallow:.4f}; |dlogp| mean {mean:.4f} max {mx:.4f} (RTN trainer mean {rtn_mean:.4f})"
+  )
+  for i, row in enumerate(per_layer_agreement(aux)):
+    print(f"  layer {i}: {row}")
+  rtn_deep = agreement(fp4_rtn_trainer[2], deep)
+  assert m_deep / t_deep >= 0.98 and m_deep / t_deep > rtn_deep[0] / rtn_deep[1] + 0.1
+  assert mean < rtn_mean
+
+
+# --- greedy decoding, EOS, padding, per-sequence RNG --------------------------------------------
+
+
+def test_greedy_tokens_are_trainer_argmax(params, greedy):
+  lp, logits, _ = trainer(params, greedy, TRAIN_FP32)
+  response = np.asarray(greedy.response_mask[:, 1:], bool)
+  np.testing.assert_array_equal(
+    np.asarray(jnp.argmax(logits, -1))[response], np.asarray(greedy.tokens[:, 1:])[response]
+  )
+  assert dlogp(lp, greedy)[1] < 1e-4  # greedy reports the temperature-1 log-prob
+
+
+def test_left_padding_keeps_the_greedy_continuation(fp32_engine, batch, greedy):
+  """Two more pad slots (holding garbage tokens) on the left of every row change nothing."""
+  tokens, mask = batch
+  extra = jnp.full((B, 2), 17, jnp.int32)
+  padded = gen(
+    fp32_engine,
+    jnp.concatenate([extra, tokens], 1),
+    jnp.concatenate([jnp.zeros_like(extra), mask], 1),
+    jax.random.key(5),
+    FP32_ENGINE,
+    GREEDY,
+  )
+  np.testing.assert_array_equal(np.asarray(padded.tokens[:, P + 2 :]), np.asarray(greedy.tokens[:, P:]))
+  np.testing.assert_array_equal(np.asarray(padded.response_mask[:, 2:]), np.asarray(greedy.response_mask))
+  np.testing.assert_allclose(np.asarray(padded.logprobs[:, 2:]), np.asarray(greedy.logprobs), atol=1e-5)
+
+
+def test_eos_ends_the_response(params, batch, greedy):
+  """Params whose EOS column copies (x1.01) a token that greedy emits: EOS then wins there."""
+  eos, pad = GREEDY.eos_id, GREEDY.pad_id
+  favored = int(greedy.tokens[0, P + 2])
+  assert favored != eos
+  eos_params = dataclasses.replace(params, lm_head=params.lm_head.at[:, eos].set(1.01 * params.lm_head[:, favored]))
+  res = gen(rollout.weight_sync(eos_params, None, jnp.float32), *batch, jax.random.key(5), FP32_ENGINE, GREEDY)
+  tokens, resp = np.asarray(res.tokens), np.asarray(res.response_mask)
+  logprobs, mask = np.asarray(res.logprobs), np.asarray(res.mask)
+  ends = []
+  for b in range(B):
+    hits = np.flatnonzero(tokens[b, P:] == eos)
+    end = P + (hits[0] + 1 if hits.size else NEW)  # one past the last response slot
+    ends.append(int(end))
+    assert np.all(tokens[b, end:] == pad)
+    assert np.all(resp[b, :P] == 0) and np.all(resp[b, P:end] == 1) and np.all(resp[b, end:] == 0)
+    np.testing.assert_array_equal(mask[b], np.concatenate([np.asarray(batch[1][b]), resp[b, P:]]))
+    assert np.all(logprobs[b, :P] == 0) and np.all(logprobs[b, end:] == 0) and np.all(logprobs[b, P:end] < 0)
+  print(f"\nEOS run: response ends (exclusive) per row {ends} of {P + NEW}")
+  assert min(ends) < P + NEW - 1  # an early EOS, followed by pads, is exercised
+  lp, _, _ = trainer(eos_params, res, TRAIN_FP32)
+  assert dlogp(lp, res)[1] < 1e-4  # the EOS token's log-prob included
+
+
+def test_sampling_is_per_sequence(fp32_engine, batch, fp32_sampled):
+  """A sequence's samples follow its seq_id, not its batch row."""
+  tokens, mask = batch
+  perm = jnp.asarray([2, 0, 3, 1])
+  moved = gen(fp32_engine, tokens[perm], mask[perm], jax.random.key(5), FP32_ENGINE, SAMPLE, seq_ids=perm)
+  np.testing.assert_array_equal(np.asarray(moved.tokens), np.asarray(fp32_sampled.tokens[perm]))
+  np.testing.assert_allclose(np.asarray(moved.logprobs), np.asarray(fp32_sampled.logprobs[perm]), atol=1e-5)
+  other = gen(fp32_engine, tokens, mask, jax.random.key(5), FP32_ENGINE, SAMPLE, seq_ids=jnp.arange(B) + B)
+  assert not np.array_equal(np.asarray(other.tokens), np.asarray(fp32_sampled.tokens))
+
+
+# --- sample(): temperature, top-k, top-p ------------------------------------------------------
+
+PROBS = np.array([0.06, 0.25, 0.04, 0.4, 0.1, 0.15])  # unsorted on purpose
+N_DRAWS = 20_000
+
+
+def expected_distribution(logits, temperature, top_k, top_p):
+  """Temperature, then top-k, then top-p on the renormalized rest (Hugging Face's warper order)."""
+  z = logits / temperature
+  p = np.exp(z - z.max())
+  p /= p.sum()
+  order = np.argsort(-p, kind="stable")
+  if top_k:
+    p[order[top_k:]] = 0
+    p /= p.sum()
+  if top_p < 1:
+    cum = np.cumsum(p[order])
+    keep = int(np.argmax(cum >= top_p)) + 1  # the smallest prefix with mass >= top_p
+    p[order[keep:]] = 0
+    p /= p.sum()
+  return p
+
+
+@pytest.mark.parametrize(
+  "temperature, top_k, top_p, support",
+  [
+    (1.0, 0, 1.0, 6),
+    (0.5, 0, 1.0, 6),
+    (2.0, 0, 1.0, 6),
+    (1.0, 3, 1.0, 3),
+    (1.0, 0, 0.6, 2),  # 0.4 < 0.6 <= 0.4 + 0.25
+    (1.0, 0, 0.3, 1),  # the top token alone already has the mass
+    (1.0, 4, 0.85, 3),  # top-p over the top-4 renormalized (over the raw probs it would keep 4)
+    (0.5, 0, 0.7, 2),  # top-p after temperature (at temperature 1 it would keep 3)
+  ],
+)
+def test_sample_distribution(temperature, top_k, top_p, support):
+  cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+  logits = np.log(PROBS).astype(np.float32)
+  expected = expected_distribution(logits.astype(np.float64), temperature, top_k, top_p)
+  assert np.count_nonzero(expected) == support
+  keys = jax.random.split(jax.random.key(int(100 * temperature + 10 * top_k + 100 * top_p)), N_DRAWS)
+  tokens, logp = rollout.sample(jnp.tile(logits, (N_DRAWS, 1)), keys, cfg)
+  tokens = np.asarray(tokens)
+  counts = np.bincount(tokens, minlength=len(PROBS))
+  assert np.all(counts[expected == 0] == 0)  # never outside the top-k / top-p set
+  kept = expected > 0
+  tv = 0.5 * np.abs(counts / N_DRAWS - expected).sum()
+  if support > 1:
+    pvalue = stats.chisquare(counts[kept], N_DRAWS * expected[kept]).pvalue
+    assert pvalue > 1e-3, (counts, expected)
+  assert tv < 0.015
+  # the reported log-prob is of the temperature-scaled distribution before truncation
+  full = jax.nn.log_softmax(jnp.asarray(logits) / temperature)
+  np.testing.assert_allclose(np.asarray(logp), np.asarray(full)[tokens], atol=1e-6)
+
+
+def test_sample_greedy():
+  logits = jax.random.normal(jax.random.key(0), (16, 40))
+  tokens, logp = rollout.sample(logits, jax.random.split(jax.random.key(1), 16), SamplingConfig(temperature=0.0))
+  np.testing.assert_array_equal(np.asarray(tokens), np.asarray(jnp.argmax(logits, -1)))
+  np.testing.assert_allclose(logp, jnp.max(jax.nn.log_softmax(logits), -1), atol=1e-6)
+
+
+# --- config validation --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "make, field",
+  [
+    (lambda: RolloutConfig(compute_dtype="float16"), "rollout.compute_dtype"),
+    (lambda: RolloutConfig(guidance_form="bits"), "rollout.guidance_form"),
+    (lambda: RolloutConfig(matmul_impl="cuda"), "rollout.matmul_impl"),
+    (lambda: RolloutConfig(quant=None, guided_layers=(1,)), "rollout.guided_layers"),
+    pytest.param(
+      lambda: RolloutConfig(quant=None, record_codes=True),
+      "rollout.record_codes",
+      marks=pytest.mark.xfail(strict=True, reason="config.py names rollout.guided_layers for record_codes"),
+    ),
+    (lambda: SamplingConfig(max_new_tokens=0), "sampling.max_new_tokens"),
+    (lambda: SamplingConfig(temperature=-0.5), "sampling.temperature"),
+    (lambda: SamplingConfig(top_k=-1), "sampling.top_k"),
+    (lambda: SamplingConfig(top_p=0.0), "sampling.top_p"),
+    (lambda: SamplingConfig(top_p=1.5), "sampling.top_p"),
+  ],
+)
+def test_config_errors_name_the_field(make, field):
+  with pytest.raises(ConfigError, match=rf"config\.{field}\b"):
+    make()
