@@ -430,11 +430,8 @@ def test_sample_greedy():
     (lambda: RolloutConfig(guidance_form="bits"), "rollout.guidance_form"),
     (lambda: RolloutConfig(matmul_impl="cuda"), "rollout.matmul_impl"),
     (lambda: RolloutConfig(quant=None, guided_layers=(1,)), "rollout.guided_layers"),
-    pytest.param(
-      lambda: RolloutConfig(quant=None, record_codes=True),
-      "rollout.record_codes",
-      marks=pytest.mark.xfail(strict=True, reason="config.py names rollout.guided_layers for record_codes"),
-    ),
+    (lambda: RolloutConfig(quant=None, record_codes=True), "rollout.record_codes"),
+    (lambda: RolloutConfig(guided_layers=(-1,)), "rollout.guided_layers"),
     (lambda: SamplingConfig(max_new_tokens=0), "sampling.max_new_tokens"),
     (lambda: SamplingConfig(temperature=-0.5), "sampling.temperature"),
     (lambda: SamplingConfig(top_k=-1), "sampling.top_k"),

@@ -216,8 +216,11 @@ class RolloutConfig:
       _fail("rollout.guidance_form", f"unknown form {self.guidance_form!r}; expected one of {GUIDANCE_FORMS}.")
     if self.matmul_impl not in ("auto", "pallas", "reference"):
       _fail("rollout.matmul_impl", f"unknown {self.matmul_impl!r}; expected 'auto', 'pallas' or 'reference'.")
-    if self.quant is None and (self.guided_layers or self.record_codes):
-      _fail("rollout.guided_layers", "a BF16 engine (quant=None) has no FP4 codes to record.")
+    for name in ("guided_layers", "record_codes"):
+      if self.quant is None and getattr(self, name):
+        _fail(f"rollout.{name}", "a BF16 engine (quant=None) has no FP4 codes to record.")
+    if any(i < 0 for i in self.guided_layers):
+      _fail("rollout.guided_layers", f"layer indices must be >= 0, got {self.guided_layers}.")
 
 
 def deeper_layers(num_layers: int, fraction: float) -> tuple[int, ...]:
