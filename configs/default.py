@@ -15,7 +15,7 @@ def get_config(mode: str = "trace") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.mode = mode or "trace"  # bf16 | fp4 | qat | quads | trace | trace_full
-  c.steps = 40
+  c.steps = 60
   c.batch_prompts = 8  # prompts per step; x rl.num_generations sequences
   c.checkpoint_every = 10
   c.keep_checkpoints = 3
@@ -48,7 +48,7 @@ def get_config(mode: str = "trace") -> ml_collections.ConfigDict:
     )
   )
   c.optim = ml_collections.ConfigDict(
-    dict(learning_rate=2e-4, warmup_steps=5, end_lr_fraction=0.1, weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=1.0)
+    dict(learning_rate=3e-5, warmup_steps=5, end_lr_fraction=0.1, weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=1.0)
   )
   c.reward = ml_collections.ConfigDict(dict(verifier="exact", correct_reward=1.0, format_reward=0.1))
 
@@ -76,4 +76,22 @@ def get_config(mode: str = "trace") -> ml_collections.ConfigDict:
       ),
     )
   )
+  # Devices (docs/scaling.md): the trainer's and the rollout engine's meshes over the axes
+  # (data, fsdp, expert, tensor); -1 takes the remaining devices. rollout_devices=0 puts both
+  # roles on every device; n > 0 gives the engine the first n devices and the trainer the rest.
+  # moe_impl='ep': the trainer's MoE runs expert parallel over 'expert' (all_to_all with a
+  # capacity per expert; a2a 'auto' = ragged_all_to_all on GPU/TPU, dense buffers on CPU).
+  c.mesh = ml_collections.ConfigDict(
+    dict(
+      trainer=dict(data=-1, fsdp=1, expert=1, tensor=1),
+      rollout=dict(data=-1, fsdp=1, expert=1, tensor=1),
+      rollout_devices=0,
+      moe_impl="sorted",
+      capacity_factor=2.0,
+      a2a="auto",
+    )
+  )
+  # Several hosts: jax.distributed.initialize; empty / 0 / -1 fall back to JAX_COORDINATOR_ADDRESS,
+  # JAX_NUM_PROCESSES, JAX_PROCESS_ID, and one process needs none of it.
+  c.distributed = ml_collections.ConfigDict(dict(coordinator_address="", num_processes=0, process_id=-1))
   return c

@@ -58,6 +58,7 @@ class ForwardAux:
   topk_ids: tuple[jax.Array | None, ...]  # [B, S, k] int32
   quant_stats: tuple[dict[str, QuantStats], ...]  # tensor -> matches/total over real tokens
   aux_loss: jax.Array  # load-balancing loss (unscaled)
+  dropped_tokens: jax.Array | None = None  # moe_impl='ep': assignments over capacity, all layers (int32)
 
 
 def init_params(config: ModelConfig, rng: jax.Array, dtype=jnp.float32) -> Params:
@@ -149,12 +150,16 @@ def forward(
   guidance: tuple[dict[str, Guidance], ...] | None = None,
   replay_ids: tuple[jax.Array | None, ...] | None = None,
   moe_impl: str = "sorted",
+  expert_parallel: moe.ExpertParallel | None = None,
+  stats_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, ForwardAux]:
   """Teacher-forced forward. tokens/mask [B, S] (left padding allowed) -> float32 logits [B, S, V].
 
   guidance: per layer, a dict tensor name -> Guidance laid out by position
     ('moe_input' [B, S, ...], 'moe_hidden' [B, S, k, ...], 'key'/'value' [B, S, KV, ...]);
     a missing entry means RTN. replay_ids: per layer [B, S, k] expert ids to reuse (R3).
+  stats_mask: the positions over which code agreement is counted (default: mask).
+  moe_impl='ep' with `expert_parallel` (mesh, capacity): experts split over the mesh.
   """
   b, s = tokens.shape
   dt = ctx.compute_dtype
@@ -163,7 +168,7 @@ def forward(
   guidance = guidance if guidance is not None else ({},) * config.num_layers
   replay_ids = replay_ids if replay_ids is not None else (None,) * config.num_layers
   x = params.embed[tokens].astype(jnp.float32)  # fp32 residual stream
-  router_logits, topk_ids, layer_stats = [], [], []
+  router_logits, topk_ids, layer_stats, dropped = [], [], [], []
   for i, layer in enumerate(params.layers):
     g, layer_ctx = guidance[i] or {}, ctx.for_layer(i)
     h = attention.rms_norm(x, layer.input_norm, config.rms_norm_eps).astype(dt)
@@ -173,7 +178,18 @@ def forward(
     if isinstance(layer.mlp, MoEParams):
       replay = None if replay_ids[i] is None else replay_ids[i].reshape(b * s, -1)
       g_moe = {k: v for k, v in g.items() if k.startswith("moe_")}
-      out = moe.moe_block(layer.mlp, h.reshape(b * s, -1), config, layer_ctx, g_moe, replay, impl=moe_impl)
+      out = moe.moe_block(
+        layer.mlp,
+        h.reshape(b * s, -1),
+        config,
+        layer_ctx,
+        g_moe,
+        replay,
+        impl=moe_impl,
+        expert_parallel=expert_parallel,
+      )
+      if out.dropped is not None:
+        dropped.append(out.dropped)
       x = x + out.out.reshape(b, s, -1)
       router_logits.append(out.router_logits.reshape(b, s, -1))
       topk_ids.append(out.topk_ids.reshape(b, s, -1))
@@ -184,7 +200,7 @@ def forward(
       x = x + moe.mlp(layer.mlp, h, layer_ctx, "dense_mlp")
       router_logits.append(None)
       topk_ids.append(None)
-    layer_stats.append({k: _masked_sum(v, mask) for k, v in stats.items()})
+    layer_stats.append({k: _masked_sum(v, mask if stats_mask is None else stats_mask) for k, v in stats.items()})
   x = attention.rms_norm(x, params.final_norm, config.rms_norm_eps)
   logits = jnp.einsum(
     "bsh,hv->bsv", x.astype(dt), lm_head_weight(params).astype(dt), preferred_element_type=jnp.float32
@@ -201,7 +217,8 @@ def forward(
     )
   else:
     aux_loss = jnp.zeros((), jnp.float32)
-  return logits, ForwardAux(tuple(router_logits), tuple(topk_ids), tuple(layer_stats), aux_loss)
+  dropped_tokens = sum(dropped) if dropped else None
+  return logits, ForwardAux(tuple(router_logits), tuple(topk_ids), tuple(layer_stats), aux_loss, dropped_tokens)
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -4,6 +4,8 @@ Expert compute has two implementations that agree (tests/test_model.py):
   * 'sorted': sort the (token, slot) pairs by expert and run grouped matmuls
     (`lax.ragged_dot`), the trainer's path;
   * 'dense': every expert on every selected slot, picked with a one-hot; the reference.
+  * 'ep': expert parallelism over a mesh (expert_parallel.py): the sorted path's expert FFN,
+    run where the experts live, with an all_to_all dispatch and a capacity.
 FP4 fake-quant hooks (W4A4 on the routed experts) go through `qat.fake_quant_rows`.
 """
 
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 
 from trace_jax import qat
 from trace_jax.config import ModelConfig
+from trace_jax.expert_parallel import ExpertParallel, experts
 
 
 @jax.tree_util.register_dataclass
@@ -48,6 +51,7 @@ class MoEOutput:
   router_logits: jax.Array  # [T, E] float32
   topk_ids: jax.Array  # [T, k] int32, in descending router probability
   stats: dict  # tensor name -> qat.QuantStats (rows, unmasked)
+  dropped: jax.Array | None = None  # impl='ep': (token, expert) assignments over capacity, int32
 
 
 def dot(x, w, compute_dtype):
@@ -76,6 +80,27 @@ def route(router_logits: jax.Array, config: ModelConfig, replay_ids: jax.Array |
   return ids.astype(jnp.int32), weights
 
 
+def _grouped_dot(x, w, group_sizes):
+  """Rows x [R, K] grouped by expert times w [E, K, N] (fp32 accumulation); group_sizes=None: E equal groups."""
+  if group_sizes is None:
+    xg = x.reshape(w.shape[0], -1, x.shape[-1])
+    return jnp.einsum("erk,ekn->ern", xg, w, preferred_element_type=jnp.float32).reshape(-1, w.shape[-1])
+  return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+
+
+def _expert_ffn(ctx: qat.QatContext, weights, xs, g_rows, group_sizes):
+  """SwiGLU experts on rows xs [R, H] grouped by expert (group_sizes), guided A4 on the hidden rows."""
+  dt = ctx.compute_dtype
+  gate_w, up_w, down_w = weights
+  xs = xs.astype(dt)
+  gate = _grouped_dot(xs, gate_w.astype(dt), group_sizes)
+  up = _grouped_dot(xs, up_w.astype(dt), group_sizes)
+  h = (jax.nn.silu(gate) * up).astype(dt)
+  hq, s_hidden = ctx.guided_activation(h, "experts", g_rows)
+  y = _grouped_dot(hq.astype(dt), down_w.astype(dt), group_sizes)
+  return y, s_hidden
+
+
 def moe_block(
   params: MoEParams,
   x: jax.Array,
@@ -84,8 +109,12 @@ def moe_block(
   guidance: dict,
   replay_ids: jax.Array | None = None,
   impl: str = "sorted",
+  expert_parallel: ExpertParallel | None = None,
 ) -> MoEOutput:
-  """x [T, H] -> MoEOutput. `guidance` maps 'moe_input' ([T] rows) and 'moe_hidden' ([T, k] rows)."""
+  """x [T, H] -> MoEOutput. `guidance` maps 'moe_input' ([T] rows) and 'moe_hidden' ([T, k] rows).
+
+  impl='ep' needs `expert_parallel` (the mesh and capacity) and reports dropped assignments.
+  """
   dt = ctx.compute_dtype
   t, k = x.shape[0], config.num_experts_per_tok
   router_logits = dot(x, params.router, dt)
@@ -95,18 +124,14 @@ def moe_block(
   xq, stats_in = ctx.guided_activation(x, "experts", guidance.get("moe_input"))
   stats = {"moe_input": stats_in}
   g_hidden = guidance.get("moe_hidden")
+  dropped = None
 
   if impl == "sorted":
     flat_ids = ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)
     group_sizes = jnp.bincount(flat_ids, length=config.num_experts).astype(jnp.int32)
-    xs = xq[order // k].astype(dt)
-    gate = jax.lax.ragged_dot(xs, gate_w.astype(dt), group_sizes, preferred_element_type=jnp.float32)
-    up = jax.lax.ragged_dot(xs, up_w.astype(dt), group_sizes, preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(gate) * up).astype(dt)
     g_sorted = qat.take_rows(g_hidden, order, t * k)
-    hq, s_hidden = ctx.guided_activation(h, "experts", g_sorted)
-    y_sorted = jax.lax.ragged_dot(hq.astype(dt), down_w.astype(dt), group_sizes, preferred_element_type=jnp.float32)
+    y_sorted, s_hidden = _expert_ffn(ctx, (gate_w, up_w, down_w), xq[order // k], g_sorted, group_sizes)
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k))
     s_hidden = jax.tree_util.tree_map(lambda a: a[inverse].reshape(t, k), s_hidden)
@@ -120,15 +145,29 @@ def moe_block(
     s_hidden = jax.tree_util.tree_map(lambda a: a.reshape(t, k), s_hidden)
     y_all = jnp.einsum("ti,eih->teh", hq.astype(dt), down_w.astype(dt), preferred_element_type=jnp.float32)
     y = jnp.einsum("tke,tkeh->tkh", onehot, y_all.reshape(t, k, config.num_experts, -1))
+  elif impl == "ep":
+    if expert_parallel is None:
+      raise ValueError("moe_impl='ep' needs an ExpertParallel (the mesh and capacity).")
+    g_rows = qat.flatten_rows(g_hidden, t * k)  # per-assignment rows travel with the tokens
+    tensor_scale = None if g_rows is None else g_rows.tensor_scale
+    payload = None if g_rows is None else dataclasses.replace(g_rows, tensor_scale=None)
+
+    def ffn(weights, xs, rows, group_sizes, tensor_scale):
+      g = None if rows is None else dataclasses.replace(rows, tensor_scale=tensor_scale)
+      return _expert_ffn(ctx, weights, xs, g, group_sizes)
+
+    weights3 = (gate_w, up_w, down_w)
+    y, s_hidden, dropped = experts(expert_parallel, ffn, weights3, xq.astype(dt), ids, payload, tensor_scale)
+    s_hidden = jax.tree_util.tree_map(lambda a: a.reshape(t, k), s_hidden)
   else:
-    raise ValueError(f"Unknown MoE implementation {impl!r}: expected 'sorted' or 'dense'.")
+    raise ValueError(f"Unknown MoE implementation {impl!r}: expected 'sorted', 'dense' or 'ep'.")
   stats["moe_hidden"] = s_hidden
 
   out = jnp.sum(weights[..., None] * y, axis=1)
   if params.shared is not None:
     shared = mlp(params.shared, x, ctx, "shared_expert")
     out = out + jax.nn.sigmoid(dot(x, params.shared_gate, dt)) * shared
-  return MoEOutput(out, router_logits, ids, stats)
+  return MoEOutput(out, router_logits, ids, stats, dropped)
 
 
 def load_balancing_loss(router_logits: jax.Array, topk_ids: jax.Array, mask: jax.Array, num_experts: int):

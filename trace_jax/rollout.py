@@ -18,8 +18,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from trace_jax import attention, fp4, qat
-from trace_jax.config import ModelConfig, QuantConfig, RolloutConfig, SamplingConfig
+import pallas_kernels
+from trace_jax import attention, fp4, qat, sharding
+from trace_jax.config import ConfigError, ModelConfig, QuantConfig, RolloutConfig, SamplingConfig
+from trace_jax.expert_parallel import ExpertParallel, experts
 from trace_jax.model import AttentionParams, Params
 from trace_jax.moe import MLPParams, MoEParams, route
 from trace_jax.quantizer import guidance_from_quantized
@@ -101,10 +103,14 @@ def weight_sync(params: Params, quant: QuantConfig | None, dtype=jnp.bfloat16) -
 
 
 def grouped_matmul(x: jax.Array, w: fp4.QuantizedArray | jax.Array, group_sizes: jax.Array, impl: str = "auto"):
-  """x [M, K] (rows sorted by group) times w[g] [N, K]^T -> [M, N] in x's dtype, fp32 accumulation."""
-  del impl  # only the jnp reference exists yet
-  wd = fp4.dequantize(w, x.dtype) if isinstance(w, fp4.QuantizedArray) else w
-  out = jax.lax.ragged_dot(x, jnp.swapaxes(wd, 1, 2), group_sizes, preferred_element_type=jnp.float32)
+  """x [M, K] (rows sorted by group) times w[g] [N, K]^T -> [M, N] in x's dtype, fp32 accumulation.
+
+  Packed FP4 weights go through `pallas_kernels.grouped_packed_matmul`: the Pallas kernel on
+  GPU with impl='auto' (logged once), its jnp reference elsewhere.
+  """
+  if isinstance(w, fp4.QuantizedArray):
+    return pallas_kernels.grouped_packed_matmul(x, group_sizes, w, impl=impl)
+  out = jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), group_sizes, preferred_element_type=jnp.float32)
   return out.astype(x.dtype)
 
 
@@ -160,6 +166,7 @@ def _load(stored, dtype) -> jax.Array:
 class _Static:
   model: ModelConfig
   rollout: RolloutConfig
+  expert_parallel: ExpertParallel | None = None
 
   @property
   def quant(self):
@@ -221,34 +228,68 @@ def _mlp(p: MLPParams, x, quant, target):
   return _dot(hq, p.down)
 
 
+def _equal_groups_matmul(x: jax.Array, w: fp4.QuantizedArray | jax.Array):
+  """x [E * M, K] (M rows per group) times w[g] [N, K]^T: the batched form of grouped_matmul."""
+  wd = fp4.dequantize(w, x.dtype) if isinstance(w, fp4.QuantizedArray) else w
+  xg = x.reshape(wd.shape[0], -1, x.shape[-1])
+  out = jnp.einsum("emk,enk->emn", xg, wd, preferred_element_type=jnp.float32)
+  return out.reshape(-1, wd.shape[1]).astype(x.dtype)
+
+
+def _experts(weights, xs, group_sizes, st: _Static):
+  """Packed-FP4 SwiGLU experts on rows grouped by expert: (out rows, hidden QuantizedArray rows | None).
+
+  group_sizes=None: every expert has the same number of rows (expert parallel's dense exchange).
+  """
+  gate_w, up_w, down_w = weights
+  impl = st.rollout.matmul_impl
+  matmul = _equal_groups_matmul if group_sizes is None else lambda x, w: grouped_matmul(x, w, group_sizes, impl)
+  gate = matmul(xs, gate_w).astype(jnp.float32)
+  up = matmul(xs, up_w)
+  h = (jax.nn.silu(gate) * up).astype(st.dtype)
+  hq, q_hidden = _act(h, st.quant, "experts")
+  return matmul(hq, down_w), q_hidden
+
+
 def _moe(p: EngineMoE, x, st: _Static, record: bool):
   """x [N, H] -> (out [N, H], topk ids [N, k], {name: QuantizedArray rows} if record)."""
-  c, quant, impl, dt = st.model, st.quant, st.rollout.matmul_impl, st.dtype
+  c, quant, dt = st.model, st.quant, st.dtype
   n, k = x.shape[0], c.num_experts_per_tok
   router_logits = _dot(x, p.router)  # engines keep router logits in the activation dtype
   ids, weights = route(router_logits, c, None)
   xq, q_in = _act(x, quant, "experts")
-  flat = ids.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  group_sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
-  xs = xq[order // k]
-  gate = grouped_matmul(xs, p.gate, group_sizes, impl).astype(jnp.float32)
-  up = grouped_matmul(xs, p.up, group_sizes, impl)
-  h = (jax.nn.silu(gate) * up).astype(dt)
-  hq, q_hidden = _act(h, quant, "experts")
-  y_sorted = grouped_matmul(hq, p.down, group_sizes, impl)
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k))
-  y = y_sorted[inverse].reshape(n, k, -1)
+  hidden = None  # the hidden codes as [N * k] rows: slot j = the token's j-th expert
+  if st.expert_parallel is None:
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
+    y_sorted, q_hidden = _experts((p.gate, p.up, p.down), xq[order // k], group_sizes, st)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k))
+    y = y_sorted[inverse].reshape(n, k, -1)
+    if record:
+      hidden = dataclasses.replace(q_hidden, codes=q_hidden.codes[inverse], scales=q_hidden.scales[inverse])
+  else:  # experts where they live; an engine never drops a token: capacity for the worst case
+    ep = st.expert_parallel
+    n_ep = dict(ep.mesh.shape).get(ep.expert_axis, 1)
+    ep = dataclasses.replace(ep, capacity_factor=max(c.num_experts / k, n_ep))
+
+    def ffn(weights, xs, _payload, group_sizes, _replicated):
+      out, q = _experts(weights, xs, group_sizes, st)
+      return out, ({"codes": q.codes, "scales": q.scales} if record else {})
+
+    y, rows, _ = experts(ep, ffn, (p.gate, p.up, p.down), xq, ids, None)
+    if record:
+      hidden = fp4.QuantizedArray(rows["codes"], rows["scales"], None, quant.format)
   out = jnp.sum(weights[..., None] * y.astype(jnp.float32), axis=1).astype(dt)
   if p.shared is not None:
     gate_s = jax.nn.sigmoid(_dot(x, p.shared_gate).astype(jnp.float32))
     out = (out + gate_s * _mlp(p.shared, x, quant, "shared_expert")).astype(dt)
   records = {}
-  if record:  # unsort the hidden codes to [N, k] rows: slot j = the token's j-th expert
-    unsort = lambda a: a[inverse].reshape(n, k, *a.shape[1:])
+  if record:
+    unflatten = lambda a: a.reshape(n, k, *a.shape[1:])
     records = {
       "moe_input": q_in,
-      "moe_hidden": dataclasses.replace(q_hidden, codes=unsort(q_hidden.codes), scales=unsort(q_hidden.scales)),
+      "moe_hidden": dataclasses.replace(hidden, codes=unflatten(hidden.codes), scales=unflatten(hidden.scales)),
     }
   return out, ids, records
 
@@ -384,7 +425,7 @@ def guidance_bytes_per_token(guidance: tuple) -> int:
   return total
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "rollout_config", "sampling"))
+@functools.partial(jax.jit, static_argnames=("model_config", "rollout_config", "sampling", "expert_parallel"))
 def generate(
   params: EngineParams,
   prompts: jax.Array,
@@ -395,14 +436,23 @@ def generate(
   rollout_config: RolloutConfig,
   sampling: SamplingConfig,
   seq_ids: jax.Array | None = None,
+  expert_parallel: ExpertParallel | None = None,
 ) -> RolloutResult:
   """Prefill left-padded prompts [B, P], then decode up to max_new_tokens with the KV cache.
 
   Randomness is per sequence: row b draws from fold_in(rng, seq_ids[b]) and the slot, so a
   sequence's sample does not depend on where it sits in the batch. Compiles once per
-  (B, P, configs).
+  (B, P, configs). expert_parallel: the routed experts stay split over its mesh's 'expert'
+  axis and the tokens travel to them (never dropped: an engine samples every token).
   """
-  st = _Static(model_config, rollout_config)
+  st = _Static(model_config, rollout_config, expert_parallel)
+  if any(i >= model_config.num_layers for i in rollout_config.guided_layers):
+    raise ConfigError(
+      f"config.rollout.guided_layers: {rollout_config.guided_layers} names layers beyond num_layers = "
+      f"{model_config.num_layers}."
+    )
+  if rollout_config.quant is not None:
+    rollout_config.quant.check_dims(model_config)
   b, p = prompts.shape
   total = p + sampling.max_new_tokens
   seq_ids = jnp.arange(b) if seq_ids is None else seq_ids
@@ -470,3 +520,71 @@ def generate(
     codes=codes,
     guidance_bytes_per_token=guidance_bytes_per_token(guidance),
   )
+
+
+# --- on a mesh ----------------------------------------------------------------------------
+
+
+@functools.cache  # one compiled function per mesh pair, like jax.jit's cache
+def make_weight_sync(quant: QuantConfig | None, trainer_mesh, rollout_mesh):
+  """params -> (EngineParams on the rollout mesh, bytes that crossed meshes).
+
+  `weight_sync` runs where the master weights live (the trainer mesh, FP4 experts packed there),
+  then only the engine's weights move: packed FP4 experts (4.5 bits per element) and bf16 rest.
+  """
+  on_trainer = sharding.ShardedJit(
+    functools.partial(weight_sync, quant=quant),
+    in_shardings=lambda params: (sharding.params_shardings(params, trainer_mesh),),
+    out_shardings=lambda params, out_shape: sharding.engine_shardings(out_shape, trainer_mesh),
+  )
+
+  def sync(params):
+    engine = on_trainer(params)
+    return sharding.reshard(engine, sharding.engine_shardings(engine, rollout_mesh))
+
+  return sync
+
+
+def _generate_positional(params, prompts, prompt_mask, rng, seq_ids, **static):
+  return generate(params, prompts, prompt_mask, rng, seq_ids=seq_ids, **static)
+
+
+@functools.cache  # one compiled function per mesh pair, like jax.jit's cache
+def make_generate(mesh) -> sharding.ShardedJit:
+  """`generate` jitted with explicit shardings on the engine's mesh.
+
+  Call as f(params, prompts, prompt_mask, rng, seq_ids_or_None, model_config=..., rollout_config=...,
+  sampling=..., expert_parallel=None). Params follow the logical axis rules (packed experts split over 'expert');
+  prompts and every [B, ...] output (tokens, log-probs, routing, guidance) split over the batch
+  axes; the KV cache follows the batch by propagation.
+  """
+  return sharding.ShardedJit(
+    _generate_positional,
+    in_shardings=lambda params, prompts, prompt_mask, rng, seq_ids: (
+      sharding.engine_shardings(params, mesh),
+      *sharding.batch_shardings((prompts, prompt_mask), mesh),
+      sharding.replicated(mesh),
+      sharding.batch_shardings(seq_ids, mesh),
+    ),
+    out_shardings=lambda *args, out_shape: sharding.batch_shardings(out_shape, mesh),
+  )
+
+
+def decode_step(
+  params: EngineParams,
+  tokens,
+  caches,
+  start,
+  positions,
+  slot_mask,
+  *,
+  model_config,
+  rollout_config,
+  expert_parallel: ExpertParallel | None = None,
+):
+  """One engine step of tokens [B, S] at cache slots [start, start + S) (S = 1: a decode step).
+
+  Returns (logits of the last token [B, V], caches, per-layer top-k ids, per-layer records).
+  """
+  st = _Static(model_config, rollout_config, expert_parallel)
+  return _forward(params, tokens, caches, start, positions, slot_mask, st)

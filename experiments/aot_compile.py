@@ -1,0 +1,257 @@
+"""Ahead-of-time compile of a Qwen3-30B-A3B-shaped train step and decode step on a device mesh.
+
+Nothing is allocated: inputs are jax.ShapeDtypeStructs carrying their NamedShardings, and
+`jax.jit(...).lower(...).compile()` reports the compiled per-device memory
+(`memory_analysis()`) and FLOPs (`cost_analysis()`). Compiling needs concrete devices (an
+AbstractMesh lowers but does not compile), so the mesh is built from simulated CPU devices
+(--devices sets --xla_force_host_platform_device_count before jax is imported); the numbers
+are XLA:CPU's for the SPMD-partitioned per-device program.
+
+  python experiments/aot_compile.py --devices=64 --trainer=fsdp=8,expert=8 --rollout=data=8,expert=8 \\
+      --layers=2,4 --batch=64 --seq=1024 --decode_batch=64 --cache=2048
+
+With several --layers values the figures are fitted as a + b * layers and extrapolated to the
+model's depth (the layers are identical, unrolled: per-layer cost is additive).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _parse_mesh(text: str) -> dict[str, int]:
+  return {k: int(v) for k, v in (item.split("=") for item in text.split(",") if item)}
+
+
+def _args(argv):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--devices", type=int, default=64, help="simulated CPU devices")
+  p.add_argument("--trainer", default="fsdp=8,expert=8", help="trainer mesh, axis=size,...")
+  p.add_argument("--rollout", default="data=8,expert=8", help="rollout engine mesh")
+  p.add_argument("--layers", default="2,4", help="comma-separated depths to compile (48 = the full model)")
+  p.add_argument("--batch", type=int, default=64, help="train sequences per step")
+  p.add_argument("--seq", type=int, default=1024, help="train sequence length (prompt + response)")
+  p.add_argument("--decode_batch", type=int, default=64, help="sequences decoded together")
+  p.add_argument("--cache", type=int, default=2048, help="KV cache length of the decode step")
+  p.add_argument("--capacity_factor", type=float, default=1.25)
+  p.add_argument("--out", default="", help="write the report as JSON here")
+  return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+  _ARGS = _args(sys.argv[1:])
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_ARGS.devices}"
+
+import dataclasses  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from configs import models  # noqa: E402
+from trace_jax import data, model, rollout, sharding, train  # noqa: E402
+from trace_jax.config import (  # noqa: E402
+  GRPOConfig,
+  ModelConfig,
+  OptimConfig,
+  QuantConfig,
+  SamplingConfig,
+  model_config,
+  resolve_mode,
+)
+from trace_jax.expert_parallel import ExpertParallel  # noqa: E402
+
+
+def scaled_config(num_layers: int | None = None) -> ModelConfig:
+  """Qwen3-30B-A3B (configs/models.py), optionally with fewer (identical) layers."""
+  c = model_config(models.qwen3_30b_a3b())
+  return c if num_layers is None else dataclasses.replace(c, num_layers=num_layers)
+
+
+def _with_shardings(abstract, shardings):
+  return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+def _report(compiled, seconds: float) -> dict:
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  gib = lambda n: round(n / 2**30, 3)
+  return {
+    "compile_s": round(seconds, 1),
+    "argument_gib": gib(mem.argument_size_in_bytes),
+    "output_gib": gib(mem.output_size_in_bytes),
+    "alias_gib": gib(mem.alias_size_in_bytes),
+    "temp_gib": gib(mem.temp_size_in_bytes),
+    "peak_estimate_gib": gib(
+      mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+    ),
+    "tflops_per_device": round(float(cost.get("flops", 0.0)) / 1e12, 4),
+    "hbm_gib_accessed_per_device": gib(float(cost.get("bytes accessed", 0.0))),
+  }
+
+
+def run_config(config: ModelConfig, new_tokens: int) -> train.RunConfig:
+  mode = resolve_mode("trace", config, QuantConfig(), diagnostics=False)
+  sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0)
+  return train.RunConfig(config, mode, sampling, GRPOConfig(num_generations=16), OptimConfig(), data.RewardConfig())
+
+
+def compile_train_step(run: train.RunConfig, mesh, ep: ExpertParallel | None, batch: int, seq: int) -> dict:
+  """The GRPO step (QAT forward guided by TRACE guidance, backward, AdamW) on the trainer mesh."""
+  optimizer = train.make_optimizer(run.optim, 1000)
+  config = run.model
+
+  def init():
+    params = model.init_params(config, jax.random.key(0))
+    return train.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+  state = jax.eval_shape(init)
+  state = _with_shardings(state, train.state_shardings(state, optimizer, mesh))
+  prompt = seq + 1 - run.sampling.max_new_tokens
+
+  def rollout_batch(engine, prompts, mask):  # shapes only: what the engine hands the trainer
+    result = rollout.generate(
+      engine,
+      prompts,
+      mask,
+      jax.random.key(0),
+      model_config=config,
+      rollout_config=run.mode.rollout,
+      sampling=run.sampling,
+    )
+    return train.train_batch_from_rollout(result, jnp.zeros((batch,)), run.grpo.routing_replay)
+
+  engine = jax.eval_shape(lambda p: rollout.weight_sync(p, run.mode.rollout.quant), state.params)
+  tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32)
+  abstract_batch = jax.eval_shape(rollout_batch, engine, tokens, tokens)
+  abstract_batch = _with_shardings(abstract_batch, sharding.batch_shardings(abstract_batch, mesh))
+  step = train.make_rl_step(run, optimizer, mesh=mesh, expert_parallel=ep)
+  t0 = time.perf_counter()
+  compiled = step.lower(state, abstract_batch, first=True).compile()
+  out = _report(compiled, time.perf_counter() - t0)
+  out["guidance_gib_per_step"] = round(sharding.tree_nbytes(abstract_batch.guidance) / 2**30, 3)
+  out["state_gib_total"] = round(sharding.tree_nbytes(state) / 2**30, 3)
+  return out
+
+
+def compile_decode_step(run: train.RunConfig, mesh, ep: ExpertParallel | None, batch: int, cache: int) -> dict:
+  """One engine decode step (FP4 packed experts, FP4 KV cache of `cache` slots) on the rollout mesh."""
+  config, engine_cfg = run.model, run.mode.rollout
+  params = jax.eval_shape(lambda: model.init_params(config, jax.random.key(0)))
+  engine = jax.eval_shape(lambda p: rollout.weight_sync(p, engine_cfg.quant), params)
+  engine_sh = sharding.engine_shardings(engine, mesh)
+  caches = jax.eval_shape(lambda: rollout.init_cache(config, batch, cache, engine_cfg.quant, jnp.bfloat16))
+  cache_sh = sharding.cache_shardings(caches, mesh)
+  column = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+  slot_mask = jax.ShapeDtypeStruct((batch, cache), jnp.int32)
+  start = jax.ShapeDtypeStruct((), jnp.int32)
+  rows = lambda x: sharding.batch_shardings(x, mesh)
+
+  def step(engine, tokens, caches, start, positions, slot_mask):
+    logits, caches, _, _ = rollout.decode_step(
+      engine,
+      tokens,
+      caches,
+      start,
+      positions,
+      slot_mask,
+      model_config=config,
+      rollout_config=engine_cfg,
+      expert_parallel=ep,
+    )
+    return logits, caches
+
+  logits = jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32)
+  jitted = jax.jit(
+    step,
+    in_shardings=(engine_sh, rows(column), cache_sh, sharding.replicated(mesh), rows(column), rows(slot_mask)),
+    out_shardings=(rows(logits), cache_sh),
+    donate_argnums=2,
+  )
+  t0 = time.perf_counter()
+  compiled = jitted.lower(engine, column, caches, start, column, slot_mask).compile()
+  out = _report(compiled, time.perf_counter() - t0)
+  out["engine_params_gib_total"] = round(sharding.tree_nbytes(engine) / 2**30, 3)
+  out["kv_cache_gib_total"] = round(sharding.tree_nbytes(caches) / 2**30, 3)
+  return out
+
+
+def compile_all(
+  config: ModelConfig,
+  trainer_shape: dict,
+  rollout_shape: dict | None = None,
+  *,
+  batch: int = 64,
+  seq: int = 1024,
+  decode_batch: int | None = None,
+  cache: int = 2048,
+  capacity_factor: float = 1.25,
+  new_tokens: int | None = None,
+) -> dict:
+  """Compile both steps for `config` on meshes over all devices; returns the figures."""
+  trainer, rollout_mesh = sharding.make_meshes(trainer_shape, rollout_shape or trainer_shape)
+  ep = lambda mesh: ExpertParallel(mesh, capacity_factor=capacity_factor) if dict(mesh.shape)["expert"] > 1 else None
+  run = run_config(config, new_tokens or max(1, seq // 2))
+  return {
+    "config": dataclasses.asdict(config),
+    "num_layers": config.num_layers,
+    "devices": jax.device_count(),
+    "trainer_mesh": dict(trainer.shape),
+    "rollout_mesh": dict(rollout_mesh.shape),
+    "train_step": compile_train_step(run, trainer, ep(trainer), batch, seq),
+    "decode_step": compile_decode_step(run, rollout_mesh, ep(rollout_mesh), decode_batch or batch, cache),
+  }
+
+
+def extrapolate(reports: list[dict], num_layers: int) -> dict:
+  """Fit value = a + b * layers per figure (two or more depths) and evaluate at `num_layers`."""
+  out = {}
+  for step in ("train_step", "decode_step"):
+    xs = [r["num_layers"] for r in reports]
+    fitted = {}
+    for key, value in reports[0][step].items():
+      if not isinstance(value, (int, float)):
+        continue
+      ys = [r[step][key] for r in reports]
+      n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+      var = sum((x - mx) ** 2 for x in xs)
+      b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+      fitted[key] = round(my + b * (num_layers - mx), 3)
+      del n
+    out[step] = fitted
+  return out
+
+
+def main(args) -> dict:
+  full = scaled_config()
+  reports = []
+  for layers in (int(x) for x in args.layers.split(",")):
+    report = compile_all(
+      scaled_config(layers),
+      _parse_mesh(args.trainer),
+      _parse_mesh(args.rollout),
+      batch=args.batch,
+      seq=args.seq,
+      decode_batch=args.decode_batch,
+      cache=args.cache,
+      capacity_factor=args.capacity_factor,
+    )
+    report.pop("config")
+    print(json.dumps(report), flush=True)
+    reports.append(report)
+  summary = {"model": "Qwen3-30B-A3B", "full_layers": full.num_layers, "compiled": reports}
+  if len(reports) > 1 and all(r["num_layers"] != full.num_layers for r in reports):
+    summary[f"extrapolated_to_{full.num_layers}_layers"] = extrapolate(reports, full.num_layers)
+  print(json.dumps(summary, indent=2))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(summary, f, indent=2)
+  return summary
+
+
+if __name__ == "__main__":
+  main(_ARGS)

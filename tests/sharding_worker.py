@@ -1,0 +1,265 @@
+"""8 simulated CPU devices: sharded train step, rollout, EP MoE and checkpoints against one device.
+
+Run by tests/test_sharding.py in a subprocess (XLA_FLAGS must be set before jax is imported,
+and pytest imports jax earlier in its own process). Prints one JSON object of measurements;
+the assertions live in the test. `python tests/sharding_worker.py` runs it by hand.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from trace_jax import checkpoint, data, model, moe, qat, rollout, sharding, train  # noqa: E402
+from trace_jax.config import (  # noqa: E402
+  GRPOConfig,
+  ModelConfig,
+  OptimConfig,
+  QuantConfig,
+  SamplingConfig,
+  resolve_mode,
+)
+from trace_jax.expert_parallel import ExpertParallel  # noqa: E402
+
+CFG = ModelConfig(
+  vocab_size=64,
+  hidden_size=64,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=32,
+  num_experts=8,
+  num_experts_per_tok=2,
+  moe_intermediate_size=32,
+  rope_theta=10_000.0,
+  initializer_range=0.1,
+)
+B, P, NEW, G = 16, 6, 6, 4  # 16 sequences = 4 prompts x 4 samples
+
+
+class Run32(train.RunConfig):
+  """The trainer in fp32 (bf16 matmuls reorder under sharding; fp32 makes the comparison tight)."""
+
+  def qat_context(self):
+    return dataclasses.replace(super().qat_context(), compute_dtype=jnp.float32)
+
+
+def run_config(mode: str) -> train.RunConfig:
+  m = resolve_mode(mode, CFG, QuantConfig(), diagnostics=True)
+  m = dataclasses.replace(m, rollout=dataclasses.replace(m.rollout, compute_dtype="float32"))
+  sampling = SamplingConfig(max_new_tokens=NEW, temperature=1.0, eos_id=2, pad_id=0)
+  return Run32(CFG, m, sampling, GRPOConfig(num_generations=G), OptimConfig(learning_rate=1e-3), data.RewardConfig())
+
+
+def prompts():
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(3, CFG.vocab_size, (B, P)).astype(np.int32)
+  mask = np.ones((B, P), np.int32)
+  for i, pad in enumerate([0, 2, 3, 1] * (B // 4)):
+    tokens[i, :pad], mask[i, :pad] = 0, 0
+  return tokens, mask
+
+
+def pipeline(run: train.RunConfig, topology: sharding.Topology, steps: int = 2):
+  """A few RL steps (synthetic rewards) on the given meshes; returns host copies of the results."""
+  optimizer = train.make_optimizer(run.optim, 10)
+  state = train.init_state(run.model, optimizer, jax.random.key(0), topology.trainer)
+  sync = rollout.make_weight_sync(run.mode.rollout.quant, topology.trainer, topology.rollout)
+  generate = rollout.make_generate(topology.rollout)
+  step_fn = train.make_rl_step(run, optimizer, mesh=topology.trainer, expert_parallel=topology.expert_parallel)
+  host = prompts()
+  out = {"metrics": [], "tokens": [], "logprobs": [], "bytes": []}
+  for step in range(steps):
+    p, m = sharding.host_to_global(host, sharding.batch_shardings(host, topology.rollout))
+    engine, sync_bytes = sync(state.params)
+    result = generate(
+      engine,
+      p,
+      m,
+      jax.random.key(step),
+      None,
+      model_config=run.model,
+      rollout_config=run.mode.rollout,
+      sampling=run.sampling,
+      expert_parallel=topology.rollout_expert_parallel,
+    )
+    tokens = sharding.to_host(result.tokens)
+    rewards = (tokens[:, P:] % 3 == 0).mean(1).astype(np.float32)  # synthetic, deterministic in the tokens
+    adv = np.asarray((rewards.reshape(-1, G) - rewards.reshape(-1, G).mean(1, keepdims=True)).reshape(-1))
+    batch = train.train_batch_from_rollout(result, None, run.grpo.routing_replay)
+    targets = sharding.batch_shardings(batch, topology.trainer)
+    guidance_bytes = sharding.crossing_bytes(batch.guidance, targets.guidance)
+    batch, batch_bytes = sharding.reshard(batch, targets)
+    batch = dataclasses.replace(
+      batch, advantages=sharding.host_to_global(adv, sharding.batch_shardings(adv, topology.trainer))
+    )
+    state, _, metrics = step_fn(state, batch, first=True)
+    out["metrics"].append({k: float(v) for k, v in jax.device_get(metrics).items()})
+    out["tokens"].append(tokens)
+    out["logprobs"].append(sharding.to_host(result.logprobs))
+    out["bytes"].append(dict(sync=sync_bytes, batch=batch_bytes, guidance=guidance_bytes))
+  out["params"] = sharding.to_host(state.params)
+  out["state"] = state
+  out["engine_sharding"] = str(jax.tree_util.tree_leaves(engine)[-3].sharding.spec)
+  return out
+
+
+def max_diff(a, b) -> float:
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) for x, y in zip(la, lb))
+
+
+def metric_diff(ma: list[dict], mb: list[dict]) -> float:
+  diffs = [abs(a[k] - b[k]) for a, b in zip(ma, mb) for k in a if np.isfinite(a[k]) and k in b]
+  return max(diffs)
+
+
+def check_rl(results: dict) -> None:
+  """Two RL steps on one device against a disaggregated layout: the engine on devices 0-3
+  (expert 2 x tensor 2), the trainer on devices 4-7 (fsdp 2 x expert 2); both expert parallel."""
+  run = run_config("trace")
+  single = pipeline(run, sharding.Topology.single_device())
+  trainer, rollout_mesh = sharding.make_meshes({"fsdp": 2, "expert": 2}, {"expert": 2, "tensor": 2}, rollout_devices=4)
+  eps = ExpertParallel(trainer, capacity_factor=4.0), ExpertParallel(rollout_mesh)
+  topology = sharding.Topology(trainer, rollout_mesh, *eps)
+  res = pipeline(run, topology)
+  results["rl"] = dict(
+    tokens_equal=all(np.array_equal(a, b) for a, b in zip(single["tokens"], res["tokens"])),
+    logprob_diff=max_diff(single["logprobs"], res["logprobs"]),
+    metric_diff=metric_diff(single["metrics"], res["metrics"]),
+    param_diff=max_diff(single["params"], res["params"]),
+    grad_norm=[m["grad_norm"] for m in res["metrics"]],
+    dropped=[m.get("moe/dropped_tokens") for m in res["metrics"]],
+    bytes=res["bytes"],
+    single_bytes=single["bytes"],
+    engine_expert_spec=res["engine_sharding"],
+  )
+
+
+def check_ep(results: dict) -> None:
+  """EP MoE (8 devices: data 2 x expert 4) against the single-device sorted MoE."""
+  mesh = sharding.make_mesh({"data": 2, "expert": 4})
+  params = model.init_params(CFG, jax.random.key(0)).layers[0].mlp
+  x = jax.random.normal(jax.random.key(1), (44, CFG.hidden_size))  # 44 rows: padded to 48 inside
+  ctx = qat.QatContext(QuantConfig(), compute_dtype=jnp.float32)
+  ref = jax.jit(lambda p, x: moe.moe_block(p, x, CFG, ctx, {}, impl="sorted"))(params, x)
+  out = {}
+  for a2a in ("dense", "ragged_reference"):
+    for cf in (4.0, 1.0):
+      ep = ExpertParallel(mesh, capacity_factor=cf, a2a=a2a)
+      got = jax.jit(lambda p, x, ep=ep: moe.moe_block(p, x, CFG, ctx, {}, impl="ep", expert_parallel=ep))(params, x)
+      out[f"{a2a}/{cf}"] = dict(
+        max_diff=float(jnp.max(jnp.abs(got.out - ref.out))),
+        dropped=int(got.dropped),
+        expected_dropped=expected_drops(np.asarray(ref.topk_ids), 8, 4, cf, a2a),
+        rows_equal=int(jnp.sum(jnp.all(got.out == ref.out, axis=1))),
+        rows_with_drops=rows_with_drops(np.asarray(ref.topk_ids), 8, 4, cf, a2a),
+      )
+  # gradients through the exchange (both directions of the all_to_all) against the reference
+  loss = lambda impl, ep: jax.jit(
+    jax.grad(lambda p, x: jnp.sum(moe.moe_block(p, x, CFG, ctx, {}, impl=impl, expert_parallel=ep).out ** 2), (0, 1))
+  )(params, x)
+  want = loss("sorted", None)
+  for a2a in ("dense", "ragged_reference"):
+    out[f"grad/{a2a}"] = max_diff(want, loss("ep", ExpertParallel(mesh, capacity_factor=4.0, a2a=a2a)))
+  results["ep"] = out
+
+
+def _kept(ids: np.ndarray, devices: int, n_ep: int, cf: float, a2a: str) -> np.ndarray:
+  """Which (token, slot) assignments each exchange keeps: the capacity rule written out in numpy."""
+  t, k = ids.shape
+  rows = -(-t // devices)
+  e = np.full((rows * devices, k), -1)
+  e[:t] = ids
+  kept = np.ones_like(e, bool)
+  n, num_e = rows * k, CFG.num_experts
+  for d in range(devices):
+    flat = e[d * rows : (d + 1) * rows].reshape(-1)
+    keep = np.ones(n, bool)
+    if a2a == "dense":
+      cap = max(1, min(n, int(np.ceil(cf * n / num_e))))
+      for ex in range(num_e):
+        where = np.flatnonzero(flat == ex)
+        keep[where[cap:]] = False
+    else:
+      quota = max(1, min(n, int(np.ceil(cf * n / n_ep))))
+      per = num_e // n_ep
+      for dev in range(n_ep):
+        where = np.flatnonzero((flat // per == dev) & (flat >= 0))
+        where = where[np.argsort(flat[where], kind="stable")]
+        keep[where[quota:]] = False
+    kept[d * rows : (d + 1) * rows] = keep.reshape(rows, k)
+  return kept[:t]
+
+
+def expected_drops(ids, devices, n_ep, cf, a2a) -> int:
+  return int((~_kept(ids, devices, n_ep, cf, a2a)).sum())
+
+
+def rows_with_drops(ids, devices, n_ep, cf, a2a) -> int:
+  return int((~_kept(ids, devices, n_ep, cf, a2a)).any(1).sum())
+
+
+def check_checkpoint(results: dict) -> None:
+  """Save a state sharded on one mesh, restore it onto another mesh shape (and one device)."""
+  optimizer = train.make_optimizer(OptimConfig(), 10)
+  mesh_a = sharding.make_mesh({"fsdp": 2, "expert": 4})
+  mesh_b = sharding.make_mesh({"data": 2, "tensor": 4})
+  state = train.init_state(CFG, optimizer, jax.random.key(3), mesh_a)
+  with tempfile.TemporaryDirectory() as workdir:
+    ckpt = checkpoint.Checkpointer(workdir)
+    ckpt.save(1, state, force=True)
+    ckpt.wait()
+    abstract = jax.eval_shape(lambda: state)
+    target = jax.tree_util.tree_map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      abstract,
+      train.state_shardings(abstract, optimizer, mesh_b),
+    )
+    step, restored = ckpt.restore_latest(target)
+    single = train.init_state(CFG, optimizer, jax.random.key(4), sharding.Topology.single_device().trainer)
+    _, on_one = ckpt.restore_latest(single)
+    ckpt.close()
+  want = train.state_shardings(restored, optimizer, mesh_b)
+  results["checkpoint"] = dict(
+    step=step,
+    equal=max_diff(sharding.to_host(state), sharding.to_host(restored)) == 0.0,
+    equal_single=max_diff(sharding.to_host(state), sharding.to_host(on_one)) == 0.0,
+    on_target_mesh=all(
+      a.sharding.is_equivalent_to(s, a.ndim)
+      for a, s in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(want))
+    ),
+    q_spec_a=str(state.params.layers[0].attn.q.sharding.spec),
+    q_spec_b=str(restored.params.layers[0].attn.q.sharding.spec),
+    expert_spec_b=str(restored.opt_state[1][0].mu.layers[0].mlp.gate.sharding.spec),
+  )
+
+
+def check_aot(results: dict) -> None:
+  """A scaled-down (1-layer) Qwen3-30B-A3B-shaped train step and decode step compile ahead of time."""
+  from experiments import aot_compile
+
+  t0 = time.perf_counter()
+  report = aot_compile.compile_all(aot_compile.scaled_config(num_layers=1), {"data": 2, "expert": 4}, batch=8, seq=64)
+  results["aot"] = dict(seconds=time.perf_counter() - t0, **{k: v for k, v in report.items() if k != "config"})
+
+
+CHECKS = {"rl": check_rl, "ep": check_ep, "checkpoint": check_checkpoint, "aot": check_aot}
+
+if __name__ == "__main__":
+  assert jax.device_count() == 8, jax.devices()
+  results = {}
+  for name in sys.argv[1:] or CHECKS:
+    t0 = time.perf_counter()
+    CHECKS[name](results)
+    results[f"time/{name}"] = time.perf_counter() - t0
+  print("RESULTS " + json.dumps(results, default=str))
