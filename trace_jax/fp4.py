@@ -157,10 +157,6 @@ class Fp4Format:
   scale_dtype: type
   scale_rounding: Literal["floor", "rceil"] = "floor"  # MXFP4 only
 
-  @property
-  def scale_bits(self) -> int:
-    return 8
-
 
 NVFP4 = Fp4Format("nvfp4", 16, jnp.float8_e4m3fn)
 MXFP4 = Fp4Format("mxfp4", 32, jnp.float8_e8m0fnu)
