@@ -1,9 +1,13 @@
-"""The mode comparison of SPEC section 7 at our scale: same seed(s), same budget per mode.
+"""The mode comparison of SPEC section 7 at our scale: same seeds, same budget per mode.
 
-  python -m experiments.compare_modes --root=/tmp/modes [--seeds=0,1,2] [--steps=40] [--modes=...]
+  python -m experiments.compare_modes --root=/tmp/modes --seeds=0,1,2 --out=docs/figures
 
-Prints a markdown table (mismatch, codeword and routing agreement, guidance bytes, reward and
-the final-policy check with a BF16 and an FP4 engine) and writes <root>/table.{csv,json,md}.
+Runs every mode for every seed under <root> (finished runs are read back, not rerun), from one
+SFT warm start per seed shared by all modes, and writes:
+  <root>/table.{csv,json}   every metric's mean and std over seeds, per mode
+  <out>/table.md            the mismatch / agreement / reward / guidance table
+  <out>/final_policy.md     FP4-engine accuracy of each trained policy; for `bf16`, post-hoc PTQ
+  <out>/curves.png, summary.png, final_policy.png
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ import os
 from absl import app, flags
 
 from configs import default
-from experiments import sweep
+from experiments import plotting, sweep
 
-_ROOT = flags.DEFINE_string("root", "/tmp/trace_modes", "Where the runs and the table go.")
-_SEEDS = flags.DEFINE_list("seeds", ["0"], "Seeds per mode.")
+_ROOT = flags.DEFINE_string("root", "/tmp/trace_modes", "Where the runs and the full table go.")
+_OUT = flags.DEFINE_string("out", None, "Where the markdown tables and PNG figures go (default: --root).")
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds per mode.")
 _MODES = flags.DEFINE_list("modes", ["bf16", "fp4", "qat", "quads", "trace", "trace_full"], "Modes to compare.")
 _STEPS = flags.DEFINE_integer("steps", None, "RL steps per run (default: the config's).")
+_EVAL_PROMPTS = flags.DEFINE_integer("eval_prompts", 512, "Test prompts for the final greedy accuracy.")
 _PROCESSES = flags.DEFINE_bool("processes", False, "Run each mode in its own process.")
 
 METRICS = (
@@ -32,6 +38,59 @@ METRICS = (
   "final/accuracy_bf16_engine",
   "final/accuracy_fp4_engine",
 )
+HEADERS = {
+  "last:mismatch/logp_diff_mean": "late \\|logp_train - logp_rollout\\|",
+  "last:mismatch/kl_k3": "late k3 KL",
+  "last:agreement/deep": "codeword agreement, deeper half",
+  "last:agreement/shallow": "codeword agreement, shallower half",
+  "last:routing_agreement": "routing agreement",
+  "last:guidance/bytes_per_token": "guidance B/token",
+  "last:reward/mean": "late reward",
+  "final/accuracy_bf16_engine": "final acc., BF16 engine",
+  "final/accuracy_fp4_engine": "final acc., FP4 engine",
+}
+
+
+def compare(
+  base,
+  *,
+  root: str,
+  out: str | None = None,
+  seeds=(0, 1, 2),
+  modes=("bf16", "fp4", "qat", "quads", "trace", "trace_full"),
+  processes: bool = False,
+) -> list[dict]:
+  """Run (or read back) every mode x seed of `base`; write the tables and figures; return the rows."""
+  out = out or root
+  # every mode of a seed starts from the same SFT policy
+  base = sweep.configure(base, {"sft.cache_dir": os.path.join(root, "sft_cache")})
+  rows = sweep.sweep(base, {"mode": list(modes)}, root=root, seeds=list(seeds), processes=processes, metrics=METRICS)
+  sweep.write_table(rows, os.path.join(root, "table"))
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "table.md"), "w") as f:
+    f.write(sweep.markdown(rows, METRICS, ["mode"], headers=HEADERS) + "\n")
+  with open(os.path.join(out, "final_policy.md"), "w") as f:
+    f.write(final_policy_table(rows) + "\n")
+  plotting.mode_comparison_figures(rows, out)
+  return rows
+
+
+def final_policy_table(rows: list[dict]) -> str:
+  """The policy each mode trained, evaluated greedily with an FP4 engine (and a BF16 one), and
+  its FP4-engine accuracy against post-hoc PTQ of the bf16-trained policy."""
+  fp4_key, bf16_key = "final/accuracy_fp4_engine", "final/accuracy_bf16_engine"
+  ptq = next((r[f"{fp4_key}:mean"] for r in rows if r["mode"] == "bf16"), float("nan"))
+  lines = [
+    "| policy | FP4-engine accuracy | BF16-engine accuracy | FP4 - BF16 engine | FP4 engine, vs PTQ of bf16 |",
+    "|---|---|---|---|---|",
+  ]
+  for r in rows:
+    name = "bf16-trained, post-hoc PTQ" if r["mode"] == "bf16" else f"{r['mode']}-trained"
+    fp4, bf16 = r[f"{fp4_key}:mean"], r[f"{bf16_key}:mean"]
+    vs_ptq = "(reference)" if r["mode"] == "bf16" else f"{fp4 - ptq:+.3f}"
+    cells = [name, sweep.format_cell(r, fp4_key), sweep.format_cell(r, bf16_key), f"{fp4 - bf16:+.3f}", vs_ptq]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
 
 
 def main(argv):
@@ -39,20 +98,19 @@ def main(argv):
   base = default.get_config()
   if _STEPS.value is not None:
     base.steps = _STEPS.value
-  base.sft.cache_dir = os.path.join(_ROOT.value, "sft_cache")  # every mode starts from the same SFT policy
-  rows = sweep.sweep(
+  base.eval_prompts = _EVAL_PROMPTS.value
+  out = _OUT.value or _ROOT.value
+  compare(
     base,
-    {"mode": _MODES.value},
     root=_ROOT.value,
+    out=out,
     seeds=[int(s) for s in _SEEDS.value],
+    modes=_MODES.value,
     processes=_PROCESSES.value,
-    metrics=METRICS,
   )
-  sweep.write_table(rows, os.path.join(_ROOT.value, "table"))
-  table = sweep.markdown(rows, METRICS, ["mode"])
-  with open(os.path.join(_ROOT.value, "table.md"), "w") as f:
-    f.write(table + "\n")
-  print(table)
+  for name in ("table.md", "final_policy.md"):
+    with open(os.path.join(out, name)) as f:
+      print(f.read())
 
 
 if __name__ == "__main__":

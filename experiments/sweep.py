@@ -30,15 +30,24 @@ from trace_jax.metrics_writer import read_metrics
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _set(cfg: ml_collections.ConfigDict, dotted: str, value) -> None:
-  node = cfg
-  *parents, leaf = dotted.split(".")
-  for p in parents:
-    node = node[p]
-  node[leaf] = value
+def configure(base: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """A copy of `base` with {dotted.key: value} overrides; an unknown key is an error naming it."""
+  cfg = copy.deepcopy(base)
+  for dotted, value in overrides.items():
+    node = cfg
+    *parents, leaf = dotted.split(".")
+    for i, p in enumerate(parents):
+      if p not in node:
+        raise KeyError(f"config has no section {'.'.join(parents[: i + 1])!r} (override {dotted!r}).")
+      node = node[p]
+    if leaf not in node:
+      raise KeyError(f"config has no field {dotted!r}; fields here: {sorted(node.keys())}.")
+    node[leaf] = value
+  return cfg
 
 
-def _name(overrides: Mapping[str, Any]) -> str:
+def run_name(overrides: Mapping[str, Any]) -> str:
+  """The workdir name of a grid point under a sweep's root, e.g. 'mode=trace,tis_cap=0.0' ('base' for {})."""
   parts = [f"{k.split('.')[-1]}={v}" for k, v in overrides.items()]
   return ",".join(parts).replace("/", "_").replace(" ", "") or "base"
 
@@ -73,15 +82,17 @@ def _run_subprocess(config: ml_collections.ConfigDict, workdir: str) -> None:
   subprocess.run(cmd, cwd=REPO, check=True)
 
 
-def expand(grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
-  """All combinations of a {dotted.key: [values]} grid, in order."""
+def expand(grid: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+  """All combinations of a {dotted.key: [values]} grid, in order; a list of overrides is kept as is."""
+  if not isinstance(grid, Mapping):
+    return [dict(point) for point in grid]
   keys = list(grid)
   return [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
 
 
 def sweep(
   base: ml_collections.ConfigDict,
-  grid: Mapping[str, Sequence[Any]],
+  grid: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Any]],
   *,
   root: str,
   seeds: Iterable[int] = (0,),
@@ -90,19 +101,20 @@ def sweep(
 ) -> list[dict]:
   """Run every grid point for every seed under `root`; one row per grid point.
 
-  Each row holds the overrides and, per metric, its mean and std over seeds. A metric is a
+  `grid` is {dotted.key: [values]} (every combination) or a list of override dicts (one-factor
+  ablations; `{}` is the base config). Each row holds the overrides, per metric its mean and std
+  over seeds, `seeds` and `workdirs` (one per seed, for per-step curves). A metric is a
   summary.json key, or `last:<key>` (mean of the last 20% of steps in metrics.jsonl).
   """
   metrics = list(metrics or DEFAULT_METRICS)
   rows = []
   for overrides in expand(grid):
-    per_seed = []
+    per_seed, workdirs = [], []
     for seed in seeds:
-      cfg = copy.deepcopy(base)
-      for k, v in overrides.items():
-        _set(cfg, k, v)
+      cfg = configure(base, overrides)
       cfg.seed = seed
-      result = run(cfg, os.path.join(root, _name(overrides), f"seed{seed}"), processes=processes)
+      workdirs.append(os.path.join(root, run_name(overrides), f"seed{seed}"))
+      result = run(cfg, workdirs[-1], processes=processes)
       per_seed.append({m: extract(result, m) for m in metrics})
     row = dict(overrides)
     for m in metrics:
@@ -110,6 +122,7 @@ def sweep(
       row[f"{m}:mean"] = float(np.nanmean(values)) if np.isfinite(values).any() else float("nan")
       row[f"{m}:std"] = float(np.nanstd(values)) if np.isfinite(values).any() else float("nan")
     row["seeds"] = len(per_seed)
+    row["workdirs"] = workdirs
     rows.append(row)
   return rows
 
@@ -139,12 +152,14 @@ def extract(result: dict, metric: str) -> float:
   if not rows:
     return float("nan")
   rows = rows[-max(1, len(rows) // 5) :]
-  values = [_row_value(r, key) for r in rows]
+  values = [row_value(r, key) for r in rows]
   values = [v for v in values if np.isfinite(v)]
   return float(np.mean(values)) if values else float("nan")
 
 
-def _row_value(row: dict, key: str) -> float:
+def row_value(row: dict, key: str) -> float:
+  """One step's value of `key` from a metrics.jsonl row (NaN when absent), with the layer
+  averages `agreement/deep`, `agreement/shallow` and `routing_agreement`."""
   if key in ("agreement/deep", "agreement/shallow", "routing_agreement"):
     prefix = "routing_agreement/layer" if key == "routing_agreement" else "agreement/"
     layers = {}
@@ -168,22 +183,28 @@ def write_table(rows: list[dict], path_prefix: str) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path_prefix)), exist_ok=True)
   with open(path_prefix + ".json", "w") as f:
     json.dump(rows, f, indent=2)
-  keys = list(dict.fromkeys(k for r in rows for k in r))
+  keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "workdirs"]
   with open(path_prefix + ".csv", "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=keys)
+    w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
     w.writeheader()
     w.writerows(rows)
 
 
-def markdown(rows: list[dict], metrics: Sequence[str], keys: Sequence[str]) -> str:
-  """A markdown table: one row per grid point, `mean ± std` per metric."""
-  head = "| " + " | ".join([*keys, *metrics]) + " |"
+def format_cell(row: dict, metric: str) -> str:
+  """`mean ± std` over seeds (just the mean for one seed; `n/a` when no run measured it)."""
+  mean, std = row[f"{metric}:mean"], row[f"{metric}:std"]
+  if not np.isfinite(mean):
+    return "n/a"
+  return f"{mean:.4g} ± {std:.2g}" if row["seeds"] > 1 else f"{mean:.4g}"
+
+
+def markdown(rows: list[dict], metrics: Sequence[str], keys: Sequence[str], headers: Mapping[str, str] | None = None):
+  """A markdown table: one row per grid point, `mean ± std` per metric (`headers` renames columns)."""
+  headers = headers or {}
+  head = "| " + " | ".join([*keys, *(headers.get(m, m) for m in metrics)]) + " |"
   sep = "|" + "---|" * (len(keys) + len(metrics))
   lines = [head, sep]
   for r in rows:
-    cells = [str(r[k]) for k in keys]
-    for m in metrics:
-      mean, std = r[f"{m}:mean"], r[f"{m}:std"]
-      cells.append("n/a" if not np.isfinite(mean) else (f"{mean:.4g} ± {std:.2g}" if r["seeds"] > 1 else f"{mean:.4g}"))
+    cells = [str(r[k]) for k in keys] + [format_cell(r, m) for m in metrics]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)

@@ -1,0 +1,264 @@
+"""The experiment layer: the sweep API (runs, seeds, reuse of finished runs, separate processes),
+the tables and plots of the mode comparison, and the notebooks, executed top to bottom.
+
+Runs use the tiny overrides of the loop tests (tests/tiny.py) and 2 steps; the notebooks get
+the same through a cell injected after their `parameters` cell, as papermill would.
+"""
+
+import json
+import os
+import struct
+
+import jax
+import nbclient
+import nbformat
+import numpy as np
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+from configs import default
+from experiments import compare_modes, plotting, sweep
+from tests.tiny import TINY
+from trace_jax import train
+from trace_jax.metrics_writer import read_metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory):
+  """One on-disk compilation cache for this module's runs, its subprocesses and notebook kernels."""
+  if jax.config.jax_compilation_cache_dir:
+    yield jax.config.jax_compilation_cache_dir
+    return
+  path = str(tmp_path_factory.mktemp("xla_cache"))
+  min_secs = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  compilation_cache.set_cache_dir(path)
+  compilation_cache.reset_cache()
+  yield path
+  jax.config.update("jax_compilation_cache_dir", None)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
+  compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def overrides(tmp_path_factory):
+  """Tiny runs of STEPS steps, evaluated only at the end, sharing one tfds data dir."""
+  data_dir = str(tmp_path_factory.mktemp("tfds"))
+  return {**TINY, "steps": STEPS, "eval_every": 0, "checkpoint_every": STEPS, "data.data_dir": data_dir}
+
+
+@pytest.fixture(scope="module")
+def base(overrides):
+  return sweep.configure(default.get_config(), overrides)
+
+
+@pytest.fixture(scope="module")
+def seeds_sweep(base, xla_cache, tmp_path_factory):
+  """trace and bf16, seeds 0 and 1, in this process."""
+  root = str(tmp_path_factory.mktemp("sweep"))
+  rows = sweep.sweep(base, {"mode": ["trace", "bf16"]}, root=root, seeds=[0, 1], metrics=compare_modes.METRICS)
+  return root, rows
+
+
+# --- sweep ------------------------------------------------------------------------------------
+
+
+def test_configure_copies_and_names_unknown_fields():
+  base = default.get_config()
+  cfg = sweep.configure(base, {"rl.tis_cap": 0.0, "steps": 7})
+  assert (cfg.rl.tis_cap, cfg.steps) == (0.0, 7)
+  assert (base.rl.tis_cap, base.steps) == (5.0, 60)
+  with pytest.raises(KeyError, match="rl.tis_capp"):
+    sweep.configure(base, {"rl.tis_capp": 0.0})
+  with pytest.raises(KeyError, match="'nosuch'"):
+    sweep.configure(base, {"nosuch.field": 1})
+
+
+def test_expand_takes_grids_and_lists():
+  assert sweep.expand({"a": [1, 2], "b.c": ["x", "y"]}) == [
+    {"a": 1, "b.c": "x"},
+    {"a": 1, "b.c": "y"},
+    {"a": 2, "b.c": "x"},
+    {"a": 2, "b.c": "y"},
+  ]
+  assert sweep.expand([{}, {"a": 1}]) == [{}, {"a": 1}]
+  assert sweep.run_name({}) == "base"
+  assert sweep.run_name({"trace.guidance_form": "full", "rl.tis_cap": 0.0}) == "guidance_form=full,tis_cap=0.0"
+
+
+def test_sweep_aggregates_seeds_from_each_runs_own_workdir(seeds_sweep):
+  root, rows = seeds_sweep
+  assert [r["mode"] for r in rows] == ["trace", "bf16"]
+  for row in rows:
+    assert row["seeds"] == 2
+    assert row["workdirs"] == [os.path.join(root, f"mode={row['mode']}", f"seed{s}") for s in (0, 1)]
+    results = []
+    for workdir, seed in zip(row["workdirs"], (0, 1)):
+      with open(os.path.join(workdir, "config.json")) as f:
+        config = json.load(f)
+      assert (config["mode"], config["seed"], config["steps"]) == (row["mode"], seed, STEPS)
+      results.append(sweep.run(None, workdir))  # finished: read back, the config is not needed
+    for metric in compare_modes.METRICS:
+      values = [sweep.extract(r, metric) for r in results]
+      if np.isfinite(values).all():
+        np.testing.assert_allclose(row[f"{metric}:mean"], np.mean(values), rtol=1e-12)
+        np.testing.assert_allclose(row[f"{metric}:std"], np.std(values), rtol=1e-12, atol=1e-15)
+  trace, bf16 = rows
+  # the seeds differ, and so do the modes in what they measure
+  a, b = (read_metrics(w) for w in trace["workdirs"])
+  assert [r["mismatch/logp_diff_mean"] for r in a] != [r["mismatch/logp_diff_mean"] for r in b]
+  assert trace["last:guidance/bytes_per_token:mean"] > 0 and bf16["last:guidance/bytes_per_token:mean"] == 0
+  assert 0 < trace["last:agreement/deep:mean"] <= 1 and np.isnan(bf16["last:agreement/deep:mean"])
+
+
+def test_extract_averages_the_last_fifth_and_the_layer_halves():
+  rows = [
+    {"step": i, "x": float(i), "agreement/moe_input/layer0": 0.5, "agreement/moe_input/layer1": 1.0} for i in range(10)
+  ]
+  result = {"summary": {"final/acc": 0.25}, "metrics": rows}
+  assert sweep.extract(result, "last:x") == 8.5  # steps 8 and 9
+  assert sweep.extract(result, "final/acc") == 0.25
+  assert np.isnan(sweep.extract(result, "nosuch"))
+  assert sweep.extract(result, "last:agreement/deep") == 1.0
+  assert sweep.extract(result, "last:agreement/shallow") == 0.5
+
+
+def test_finished_runs_are_read_back_not_rerun(seeds_sweep, base, monkeypatch):
+  root, rows = seeds_sweep
+
+  def fail(*args, **kwargs):
+    raise AssertionError("a finished run was started again")
+
+  monkeypatch.setattr(train, "train_and_evaluate", fail)
+  again = sweep.sweep(base, {"mode": ["trace", "bf16"]}, root=root, seeds=[0, 1], metrics=compare_modes.METRICS)
+  assert json.dumps(again) == json.dumps(rows)
+
+
+def test_a_run_in_its_own_process_matches_the_in_process_run(seeds_sweep, base, tmp_path, monkeypatch, xla_cache):
+  _, rows = seeds_sweep
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", xla_cache)
+  monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  cfg = sweep.configure(base, {"mode": "trace"})
+  result = sweep.run(cfg, str(tmp_path / "run"), processes=True)
+  assert os.path.exists(tmp_path / "run" / "sweep_config.py")
+  strip = lambda ms: [json.dumps({k: v for k, v in m.items() if not k.startswith("time/")}, sort_keys=True) for m in ms]
+  assert strip(result["metrics"]) == strip(read_metrics(rows[0]["workdirs"][0]))
+
+
+def test_tables_and_figures(seeds_sweep, tmp_path):
+  _, rows = seeds_sweep
+  table = sweep.markdown(rows, compare_modes.METRICS, ["mode"], headers=compare_modes.HEADERS)
+  lines = table.splitlines()
+  assert len(lines) == 4 and "codeword agreement, deeper half" in lines[0] and "±" in lines[2]
+  assert lines[3].startswith("| bf16 |") and "n/a" in lines[3]  # no FP4 engine, no codes to compare
+  final = compare_modes.final_policy_table(rows)
+  assert "bf16-trained, post-hoc PTQ" in final and "(reference)" in final
+  trace_fp4, ptq = (r["final/accuracy_fp4_engine:mean"] for r in rows)
+  assert f"{trace_fp4 - ptq:+.3f}" in final.splitlines()[2]
+
+  sweep.write_table(rows, str(tmp_path / "table"))
+  with open(tmp_path / "table.json") as f:
+    assert json.load(f) == json.loads(json.dumps(rows))
+  with open(tmp_path / "table.csv") as f:
+    header = f.readline().strip().split(",")
+  assert header[0] == "mode" and "last:reward/mean:mean" in header and "workdirs" not in header
+
+  paths = plotting.mode_comparison_figures(rows, str(tmp_path / "figures"))
+  assert [os.path.basename(p) for p in paths] == ["curves.png", "summary.png", "final_policy.png"]
+  for path in paths:
+    with open(path, "rb") as f:
+      head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", head[16:24])
+    assert width > 400 and height > 200
+
+
+def test_smoothing_and_per_layer_profiles(seeds_sweep):
+  values = np.array([[1.0, np.nan, 3.0, 5.0]])
+  np.testing.assert_allclose(plotting.smooth(values, 2), [[1.0, 1.0, 3.0, 4.0]])
+  _, rows = seeds_sweep
+  profile = plotting.late_per_layer(rows[0]["workdirs"])
+  assert sorted(profile) == [0, 1] and all(0 < v <= 1 for v in profile.values())
+  assert profile[1] == 1.0  # trace guides the deeper of the two layers: its codes match exactly
+  assert plotting.late_per_layer(rows[1]["workdirs"]) == {}
+
+
+# --- notebooks --------------------------------------------------------------------------------
+
+
+def execute_notebook(name, parameters: str, tmp_path, env):
+  """Run experiments/<name> top to bottom (cwd experiments/), with `parameters` injected after
+  the cell tagged 'parameters'; returns the executed notebook."""
+  nb = nbformat.read(os.path.join(REPO, "experiments", name), as_version=4)
+  index = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
+  assert len(index) == 1, f"{name} needs exactly one cell tagged 'parameters'"
+  nb.cells.insert(index[0] + 1, nbformat.v4.new_code_cell(parameters))
+  client = nbclient.NotebookClient(
+    nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": os.path.join(REPO, "experiments")}}
+  )
+  inherited = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}  # the kernel's inline backend shows figures
+  client.execute(env={**inherited, **env})
+  nbformat.write(nb, str(tmp_path / name))  # kept for a look when something fails
+  return nb
+
+
+def outputs_text(nb) -> str:
+  texts = []
+  for cell in nb.cells:
+    for out in cell.get("outputs", []):
+      texts.append(out.get("text", "") + str(out.get("data", {}).get("text/plain", "")))
+  return "\n".join(texts)
+
+
+@pytest.fixture
+def kernel_env(xla_cache):
+  return {
+    "JAX_COMPILATION_CACHE_DIR": xla_cache,
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",
+    "JAX_PLATFORMS": "cpu",
+  }
+
+
+def test_notebook_quantizer_and_guidance(tmp_path, kernel_env):
+  nb = execute_notebook("01_quantizer_and_guidance.ipynb", "", tmp_path, kernel_env)
+  text = outputs_text(nb)
+  assert "Traceback" not in text
+
+
+def test_notebook_mode_comparison(overrides, tmp_path, kernel_env):
+  root = tmp_path / "runs"
+  params = f"STEPS = {STEPS}\nSEEDS = [0]\nRUN_ROOT = {str(root)!r}\nOVERRIDES = {overrides!r}\n"
+  nb = execute_notebook("02_mode_comparison.ipynb", params, tmp_path, kernel_env)
+  for mode in ("bf16", "fp4", "qat", "quads", "trace"):
+    assert os.path.exists(root / f"mode={mode}" / "seed0" / "summary.json")
+  for name in ("table.md", "final_policy.md", "curves.png", "summary.png", "final_policy.png"):
+    assert os.path.exists(root / name), name
+  images = sum("image/png" in out.get("data", {}) for c in nb.cells for out in c.get("outputs", []))
+  assert images >= 3
+
+
+def test_notebook_ablations(overrides, tmp_path, kernel_env):
+  root = tmp_path / "runs"
+  params = f"STEPS = {STEPS}\nSEEDS = [0]\nRUN_ROOT = {str(root)!r}\nOVERRIDES = {overrides!r}\n"
+  nb = execute_notebook("03_ablations.ipynb", params, tmp_path, kernel_env)
+  runs = sorted(d for d in os.listdir(root) if d not in ("sft_cache",) and os.path.isdir(root / d))
+  assert runs == sorted(
+    [
+      "base",
+      "guided_fraction=0.0",
+      "guided_fraction=0.25",
+      "guided_fraction=1.0",
+      "guidance_form=mantissa",
+      "guidance_form=full",
+      "tis_cap=0.0",
+      "routing_replay=False",
+    ]
+  )
+  with open(root / "table.json") as f:
+    assert len(json.load(f)) == 8
+  images = sum("image/png" in out.get("data", {}) for c in nb.cells for out in c.get("outputs", []))
+  assert images >= 3
