@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 from absl import app, flags
 
 from configs import default
@@ -77,18 +78,28 @@ def compare(
 
 def final_policy_table(rows: list[dict]) -> str:
   """The policy each mode trained, evaluated greedily with an FP4 engine (and a BF16 one), and
-  its FP4-engine accuracy against post-hoc PTQ of the bf16-trained policy."""
+  its FP4-engine accuracy minus that of post-hoc PTQ of the bf16-trained policy, paired by seed
+  (both start from the same SFT policy): mean ± std over seeds and how many seeds are ahead."""
   fp4_key, bf16_key = "final/accuracy_fp4_engine", "final/accuracy_bf16_engine"
-  ptq = next((r[f"{fp4_key}:mean"] for r in rows if r["mode"] == "bf16"), float("nan"))
+  per_seed = {
+    r["mode"]: [sweep.run(None, w)["summary"].get(fp4_key, float("nan")) for w in r["workdirs"]] for r in rows
+  }
+  ptq = np.array(per_seed.get("bf16", [float("nan")] * len(rows[0]["workdirs"])), np.float64)
   lines = [
-    "| policy | FP4-engine accuracy | BF16-engine accuracy | FP4 - BF16 engine | FP4 engine, vs PTQ of bf16 |",
+    "| policy | FP4-engine accuracy | BF16-engine accuracy | FP4 - BF16 engine | FP4 engine - PTQ of bf16, same seed |",
     "|---|---|---|---|---|",
   ]
   for r in rows:
     name = "bf16-trained, post-hoc PTQ" if r["mode"] == "bf16" else f"{r['mode']}-trained"
-    fp4, bf16 = r[f"{fp4_key}:mean"], r[f"{bf16_key}:mean"]
-    vs_ptq = "(reference)" if r["mode"] == "bf16" else f"{fp4 - ptq:+.3f}"
-    cells = [name, sweep.format_cell(r, fp4_key), sweep.format_cell(r, bf16_key), f"{fp4 - bf16:+.3f}", vs_ptq]
+    gap = r[f"{fp4_key}:mean"] - r[f"{bf16_key}:mean"]
+    diff = np.array(per_seed[r["mode"]], np.float64) - ptq
+    if r["mode"] == "bf16":
+      vs_ptq = "(reference)"
+    elif not np.isfinite(diff).all():
+      vs_ptq = "n/a"
+    else:
+      vs_ptq = f"{diff.mean():+.3f} ± {diff.std():.3f} ({int((diff > 0).sum())}/{len(diff)} seeds ahead)"
+    cells = [name, sweep.format_cell(r, fp4_key), sweep.format_cell(r, bf16_key), f"{gap:+.3f}", vs_ptq]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 

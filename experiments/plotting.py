@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 import numpy as np
 
 from experiments import sweep
@@ -162,6 +163,7 @@ def layer_profile(ax, rows: Sequence[dict], *, label="mode", prefix: str = "agre
       name = label_of(row, label)
       ax.plot(list(profile), list(profile.values()), "o-", color=_color(name, i), label=name)
   ax.set_xlabel("layer")
+  ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
   ax.set_title(title or f"late {prefix.rstrip('/')} per layer")
   ax.grid(alpha=0.3)
 

@@ -156,7 +156,7 @@ def test_tables_and_figures(seeds_sweep, tmp_path):
   assert len(lines) == 4 and "codeword agreement, deeper half" in lines[0] and "±" in lines[2]
   assert lines[3].startswith("| bf16 |") and "n/a" in lines[3]  # no FP4 engine, no codes to compare
   final = compare_modes.final_policy_table(rows)
-  assert "bf16-trained, post-hoc PTQ" in final and "(reference)" in final
+  assert "bf16-trained, post-hoc PTQ" in final and "(reference)" in final and "/2 seeds ahead)" in final
   trace_fp4, ptq = (r["final/accuracy_fp4_engine:mean"] for r in rows)
   assert f"{trace_fp4 - ptq:+.3f}" in final.splitlines()[2]
 
