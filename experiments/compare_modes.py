@@ -77,29 +77,35 @@ def compare(
 
 
 def final_policy_table(rows: list[dict]) -> str:
-  """The policy each mode trained, evaluated greedily with an FP4 engine (and a BF16 one), and
-  its FP4-engine accuracy minus that of post-hoc PTQ of the bf16-trained policy, paired by seed
-  (both start from the same SFT policy): mean ± std over seeds and how many seeds are ahead."""
+  """The policy each mode trained, evaluated greedily with an FP4 engine (and a BF16 one).
+
+  Differences are paired by seed (every mode of a seed starts from the same SFT policy): the
+  FP4-engine minus BF16-engine accuracy of the same policy, and its FP4-engine accuracy minus
+  that of post-hoc PTQ of the bf16-trained policy; mean ± sample std over seeds.
+  """
   fp4_key, bf16_key = "final/accuracy_fp4_engine", "final/accuracy_bf16_engine"
-  per_seed = {
-    r["mode"]: [sweep.run(None, w)["summary"].get(fp4_key, float("nan")) for w in r["workdirs"]] for r in rows
-  }
-  ptq = np.array(per_seed.get("bf16", [float("nan")] * len(rows[0]["workdirs"])), np.float64)
+  values = lambda r, k: np.array(r[f"{k}:values"], np.float64)
+  ptq = next((values(r, fp4_key) for r in rows if r["mode"] == "bf16"), None)
+
+  def paired(diff):
+    if not np.isfinite(diff).all():
+      return "n/a"
+    std = f" ± {diff.std(ddof=1):.3f}" if diff.size > 1 else ""
+    return f"{diff.mean():+.3f}{std} ({int((diff > 0).sum())}/{diff.size} seeds > 0)"
+
   lines = [
-    "| policy | FP4-engine accuracy | BF16-engine accuracy | FP4 - BF16 engine | FP4 engine - PTQ of bf16, same seed |",
+    "| policy | FP4-engine accuracy | BF16-engine accuracy | FP4 - BF16 engine, same policy | "
+    "FP4 engine - PTQ of bf16, same seed |",
     "|---|---|---|---|---|",
   ]
   for r in rows:
     name = "bf16-trained, post-hoc PTQ" if r["mode"] == "bf16" else f"{r['mode']}-trained"
-    gap = r[f"{fp4_key}:mean"] - r[f"{bf16_key}:mean"]
-    diff = np.array(per_seed[r["mode"]], np.float64) - ptq
+    gap = paired(values(r, fp4_key) - values(r, bf16_key))
     if r["mode"] == "bf16":
       vs_ptq = "(reference)"
-    elif not np.isfinite(diff).all():
-      vs_ptq = "n/a"
     else:
-      vs_ptq = f"{diff.mean():+.3f} ± {diff.std():.3f} ({int((diff > 0).sum())}/{len(diff)} seeds ahead)"
-    cells = [name, sweep.format_cell(r, fp4_key), sweep.format_cell(r, bf16_key), f"{gap:+.3f}", vs_ptq]
+      vs_ptq = "n/a (no bf16 run)" if ptq is None else paired(values(r, fp4_key) - ptq)
+    cells = [name, sweep.format_cell(r, fp4_key), sweep.format_cell(r, bf16_key), gap, vs_ptq]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 

@@ -32,8 +32,11 @@ MODE_COLORS = {
 
 
 def label_of(row: dict, label: str | Sequence[str]) -> str:
+  """The row's value(s) of `label`, or its workdir `name` when it lacks them (list grids)."""
   keys = [label] if isinstance(label, str) else list(label)
-  return ",".join(str(row[k]) for k in keys) if len(keys) > 1 else str(row[keys[0]])
+  if any(k not in row for k in keys):
+    return str(row.get("name", "?"))
+  return ",".join(str(row[k]) for k in keys)
 
 
 def _color(name: str, i: int):
@@ -202,7 +205,7 @@ def mode_comparison_figures(rows: Sequence[dict], out_dir: str, *, label="mode",
   for ax, (metric, title, logy) in zip(axes, SUMMARY_PANELS):
     bars(ax, rows, metric, label=label, logy=logy, title=title)
   seeds = sorted({r["seeds"] for r in rows})
-  fig.suptitle(f"late = mean of the last 20% of steps; mean +/- std over {','.join(map(str, seeds))} seed(s)")
+  fig.suptitle(f"late = mean of the last 20% of steps; mean +/- sample std over {','.join(map(str, seeds))} seed(s)")
   paths.append(_save(fig, out_dir, "summary.png"))
 
   fig, ax = plt.subplots(figsize=(8, 4))

@@ -3,15 +3,18 @@
   from configs import default
   from experiments import sweep
   table = sweep.sweep(default.get_config(), {"mode": ["fp4", "qat", "trace"]}, root="/tmp/sweep", seeds=[0, 1, 2])
-  sweep.write_table(table, "/tmp/sweep/table")   # CSV + JSON, mean and std over seeds
+  sweep.write_table(table, "/tmp/sweep/table")   # CSV + JSON, mean and sample std over seeds
 
-A run whose workdir already holds a summary.json is finished and is read, not rerun.
-`processes=True` runs each in a fresh `python -m trace_jax.main` process (isolation, and the
-only way to change XLA flags per run); otherwise runs share this process and its compile cache.
+A run whose workdir holds a summary.json of all its steps, under the same config, is read back,
+not rerun; one with fewer steps (stopped, or asked for more) is resumed; one of another config
+is refused, naming the fields that differ. `processes=True` runs each in a fresh
+`python -m trace_jax.main` process (isolation; `env` sets e.g. XLA_FLAGS per run); otherwise runs
+share this process and its compile cache.
 """
 
 from __future__ import annotations
 
+import ast
 import copy
 import csv
 import itertools
@@ -37,49 +40,87 @@ def configure(base: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> 
     node = cfg
     *parents, leaf = dotted.split(".")
     for i, p in enumerate(parents):
-      if p not in node:
+      if not isinstance(node, ml_collections.ConfigDict) or p not in node:
         raise KeyError(f"config has no section {'.'.join(parents[: i + 1])!r} (override {dotted!r}).")
       node = node[p]
-    if leaf not in node:
-      raise KeyError(f"config has no field {dotted!r}; fields here: {sorted(node.keys())}.")
+    if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
+      fields = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+      raise KeyError(f"config has no field {dotted!r}; fields here: {fields}.")
     node[leaf] = value
   return cfg
 
 
 def run_name(overrides: Mapping[str, Any]) -> str:
-  """The workdir name of a grid point under a sweep's root, e.g. 'mode=trace,tis_cap=0.0' ('base' for {})."""
-  parts = [f"{k.split('.')[-1]}={v}" for k, v in overrides.items()]
+  """The workdir name of a grid point under a sweep's root, e.g. 'mode=trace,rl.tis_cap=0.0' ('base' for {})."""
+  parts = [f"{k}={v}" for k, v in overrides.items()]
   return ",".join(parts).replace("/", "_").replace(" ", "") or "base"
 
 
-def run(config: ml_collections.ConfigDict, workdir: str, *, processes: bool = False) -> dict:
-  """Run one config to completion in `workdir` (or read its finished result).
+def run(
+  config: ml_collections.ConfigDict | None,
+  workdir: str,
+  *,
+  processes: bool = False,
+  env: Mapping[str, str] | None = None,
+) -> dict:
+  """Run one config to completion in `workdir`, resume it, or read its finished result back.
 
-  Returns {"summary": summary.json, "metrics": list of per-step rows}.
+  config=None only reads a finished run. Returns {"summary": summary.json, "metrics": per-step
+  rows, "config": config.json}.
   """
   summary_path = os.path.join(workdir, "summary.json")
-  if not os.path.exists(summary_path):
+  if config is not None and not _finished(config, workdir):
     if processes:
-      _run_subprocess(config, workdir)
+      _run_subprocess(config, workdir, env)
     else:
       from trace_jax import train  # noqa: PLC0415 (jax is imported only when a run happens here)
 
       train.train_and_evaluate(config, workdir)
+  if not os.path.exists(summary_path):
+    raise FileNotFoundError(f"{workdir} holds no finished run (no summary.json); pass its config to run it.")
   with open(summary_path) as f:
     summary = json.load(f)
-  return {"summary": summary, "metrics": read_metrics(workdir)}
+  with open(os.path.join(workdir, "config.json")) as f:
+    saved = json.load(f)
+  return {"summary": summary, "metrics": read_metrics(workdir), "config": saved}
 
 
-def _run_subprocess(config: ml_collections.ConfigDict, workdir: str) -> None:
+def _finished(config: ml_collections.ConfigDict, workdir: str) -> bool:
+  """True when `workdir` holds every step of this config; a run of another config is an error."""
+  summary_path, config_path = os.path.join(workdir, "summary.json"), os.path.join(workdir, "config.json")
+  if not os.path.exists(config_path):
+    return False
+  from trace_jax import train  # noqa: PLC0415
+  from trace_jax.config import ConfigError  # noqa: PLC0415
+
+  with open(config_path) as f:
+    saved = json.load(f)
+  current = json.loads(config.to_json_best_effort())
+  differs = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+  if [k for k in differs if k not in train.RESUMABLE_FIELDS]:
+    raise ConfigError(
+      f"{workdir} holds a run of another config (fields {differs} differ from its config.json); "
+      "use another root, or delete the workdir to rerun it."
+    )
+  if not os.path.exists(summary_path):
+    return False
+  with open(summary_path) as f:
+    summary = json.load(f)
+  return summary.get("steps") == config.steps and not differs
+
+
+def _run_subprocess(config: ml_collections.ConfigDict, workdir: str, env: Mapping[str, str] | None) -> None:
   os.makedirs(workdir, exist_ok=True)
+  literal = repr(config.to_dict())
+  try:
+    ast.literal_eval(literal)
+  except (ValueError, SyntaxError) as e:
+    raise ValueError(f"processes=True needs a config of Python literals only; this one is not: {e}") from e
   cfg_file = os.path.join(workdir, "sweep_config.py")
   with open(cfg_file, "w") as f:
-    f.write(
-      "import json\nimport ml_collections\n\n\ndef get_config():\n"
-      f"  return ml_collections.ConfigDict(json.loads({config.to_json_best_effort()!r}))\n"
-    )
+    f.write(f"import ml_collections\n\n\ndef get_config():\n  return ml_collections.ConfigDict({literal})\n")
   cmd = [sys.executable, "-m", "trace_jax.main", f"--config={cfg_file}", f"--workdir={workdir}"]
-  subprocess.run(cmd, cwd=REPO, check=True)
+  subprocess.run(cmd, cwd=REPO, check=True, env=None if env is None else {**os.environ, **env})
 
 
 def expand(grid: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -95,32 +136,53 @@ def sweep(
   grid: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Any]],
   *,
   root: str,
-  seeds: Iterable[int] = (0,),
+  seeds: Iterable[int] | None = None,
   processes: bool = False,
   metrics: Sequence[str] | None = None,
+  env: Mapping[str, str] | None = None,
+  verbose: bool = True,
 ) -> list[dict]:
   """Run every grid point for every seed under `root`; one row per grid point.
 
   `grid` is {dotted.key: [values]} (every combination) or a list of override dicts (one-factor
-  ablations; `{}` is the base config). Each row holds the overrides, per metric its mean and std
-  over seeds, `seeds` and `workdirs` (one per seed, for per-step curves). A metric is a
-  summary.json key, or `last:<key>` (mean of the last 20% of steps in metrics.jsonl).
+  ablations; `{}` is the base config). seeds: default [base.seed]. A metric is a summary.json
+  key, or `last:<key>` (mean of the last 20% of steps in metrics.jsonl).
+
+  Each row holds the overrides (also as `overrides`), `name` (its workdir under root), per
+  metric `<m>:values` (one per seed, in order), `<m>:mean`, `<m>:std` (sample std, ddof=1; 0 for
+  one value) and `<m>:n` (seeds that measured it), and `seeds` and `workdirs`.
+  verbose: print one line per run (which, where, and whether it is read back).
   """
-  metrics = list(metrics or DEFAULT_METRICS)
-  rows = []
-  for overrides in expand(grid):
+  metrics, points = list(metrics or DEFAULT_METRICS), expand(grid)
+  seeds = [int(s) for s in (seeds if seeds is not None else [base.seed])]
+  if not seeds:
+    raise ValueError("sweep: seeds is empty; pass at least one seed, e.g. seeds=[0].")
+  names = [run_name(p) for p in points]
+  for point, name in zip(points, names):
+    if "seed" in point:
+      raise ValueError(f"sweep: grid point {point} sets 'seed'; pass seeds=[...] instead.")
+    if names.count(name) > 1:
+      raise ValueError(f"sweep: two grid points share the workdir name {name!r}; make them distinct.")
+  rows, total = [], len(points) * len(seeds)
+  for overrides, name in zip(points, names):
     per_seed, workdirs = [], []
     for seed in seeds:
       cfg = configure(base, overrides)
       cfg.seed = seed
-      workdirs.append(os.path.join(root, run_name(overrides), f"seed{seed}"))
-      result = run(cfg, workdirs[-1], processes=processes)
+      workdirs.append(os.path.join(root, name, f"seed{seed}"))
+      if verbose:
+        index = len(rows) * len(seeds) + len(workdirs)
+        print(f"[sweep {index}/{total}] {workdirs[-1]}", flush=True)
+      result = run(cfg, workdirs[-1], processes=processes, env=env)
       per_seed.append({m: extract(result, m) for m in metrics})
-    row = dict(overrides)
+    row = {**overrides, "name": name, "overrides": dict(overrides)}
     for m in metrics:
       values = np.array([s[m] for s in per_seed], np.float64)
-      row[f"{m}:mean"] = float(np.nanmean(values)) if np.isfinite(values).any() else float("nan")
-      row[f"{m}:std"] = float(np.nanstd(values)) if np.isfinite(values).any() else float("nan")
+      finite = values[np.isfinite(values)]
+      row[f"{m}:values"] = [float(v) for v in values]
+      row[f"{m}:n"] = int(finite.size)
+      row[f"{m}:mean"] = float(finite.mean()) if finite.size else float("nan")
+      row[f"{m}:std"] = float(finite.std(ddof=1)) if finite.size > 1 else (0.0 if finite.size else float("nan"))
     row["seeds"] = len(per_seed)
     row["workdirs"] = workdirs
     rows.append(row)
@@ -144,46 +206,56 @@ def extract(result: dict, metric: str) -> float:
   """A summary value, or the late-run mean of a per-step metric.
 
   `agreement/deep` / `agreement/shallow`: codeword agreement averaged over tensors in the
-  deeper / shallower half of the layers; `routing_agreement`: averaged over layers.
+  deeper / shallower half of the layers (`config.deeper_layers(n, 0.5)`, TRACE's default guided
+  set); `routing_agreement`: averaged over layers.
   """
   if not metric.startswith("last:"):
     return float(result["summary"].get(metric, float("nan")))
   key, rows = metric[5:], result["metrics"]
   if not rows:
     return float("nan")
+  num_layers = result.get("config", {}).get("model", {}).get("num_layers")
   rows = rows[-max(1, len(rows) // 5) :]
-  values = [row_value(r, key) for r in rows]
+  values = [row_value(r, key, num_layers) for r in rows]
   values = [v for v in values if np.isfinite(v)]
   return float(np.mean(values)) if values else float("nan")
 
 
-def row_value(row: dict, key: str) -> float:
+def row_value(row: dict, key: str, num_layers: int | None = None) -> float:
   """One step's value of `key` from a metrics.jsonl row (NaN when absent), with the layer
-  averages `agreement/deep`, `agreement/shallow` and `routing_agreement`."""
+  averages `agreement/deep`, `agreement/shallow` and `routing_agreement` (num_layers: the
+  model's, for the halves; default: one more than the highest layer in the row)."""
   if key in ("agreement/deep", "agreement/shallow", "routing_agreement"):
     prefix = "routing_agreement/layer" if key == "routing_agreement" else "agreement/"
-    layers = {}
+    layers, present = {}, set()
     for k, v in row.items():
-      if k.startswith(prefix) and v is not None and np.isfinite(v):
-        layers.setdefault(int(k.rsplit("layer", 1)[1]), []).append(v)
+      if k.startswith(prefix):
+        present.add(int(k.rsplit("layer", 1)[1]))
+        if v is not None and np.isfinite(v):
+          layers.setdefault(int(k.rsplit("layer", 1)[1]), []).append(v)
     if not layers:
       return float("nan")
-    n = max(layers) + 1
+    n = num_layers or max(present) + 1
+    deep = set(range(n - round(n * 0.5), n))  # config.deeper_layers(n, 0.5)
     if key == "agreement/deep":
-      layers = {i: v for i, v in layers.items() if i >= n // 2}
+      layers = {i: v for i, v in layers.items() if i in deep}
     elif key == "agreement/shallow":
-      layers = {i: v for i, v in layers.items() if i < n // 2}
+      layers = {i: v for i, v in layers.items() if i not in deep}
     return float(np.mean([x for v in layers.values() for x in v])) if layers else float("nan")
   value = row.get(key)
   return float(value) if value is not None else float("nan")
 
 
 def write_table(rows: list[dict], path_prefix: str) -> None:
-  """`<prefix>.csv` and `<prefix>.json`."""
+  """`<prefix>.json` (every field; NaN as null) and `<prefix>.csv` (overrides and statistics)."""
   os.makedirs(os.path.dirname(os.path.abspath(path_prefix)), exist_ok=True)
+  clean = lambda v: None if isinstance(v, float) and not np.isfinite(v) else v
   with open(path_prefix + ".json", "w") as f:
-    json.dump(rows, f, indent=2)
-  keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "workdirs"]
+    json.dump(
+      [{k: [clean(x) for x in v] if isinstance(v, list) else clean(v) for k, v in r.items()} for r in rows], f, indent=2
+    )
+  skip = lambda k: k in ("workdirs", "overrides") or k.endswith(":values")
+  keys = [k for k in dict.fromkeys(k for r in rows for k in r) if not skip(k)]
   with open(path_prefix + ".csv", "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
     w.writeheader()
@@ -191,20 +263,22 @@ def write_table(rows: list[dict], path_prefix: str) -> None:
 
 
 def format_cell(row: dict, metric: str) -> str:
-  """`mean ± std` over seeds (just the mean for one seed; `n/a` when no run measured it)."""
-  mean, std = row[f"{metric}:mean"], row[f"{metric}:std"]
+  """`mean ± std` over the seeds that measured it (just the mean for one; `n/a` for none)."""
+  mean, std, n = row[f"{metric}:mean"], row[f"{metric}:std"], row.get(f"{metric}:n", row["seeds"])
   if not np.isfinite(mean):
     return "n/a"
-  return f"{mean:.4g} ± {std:.2g}" if row["seeds"] > 1 else f"{mean:.4g}"
+  cell = f"{mean:.4g} ± {std:.2g}" if n > 1 else f"{mean:.4g}"
+  return cell if n == row["seeds"] else f"{cell} ({n}/{row['seeds']} seeds)"
 
 
 def markdown(rows: list[dict], metrics: Sequence[str], keys: Sequence[str], headers: Mapping[str, str] | None = None):
-  """A markdown table: one row per grid point, `mean ± std` per metric (`headers` renames columns)."""
+  """A markdown table: one row per grid point, `mean ± std` per metric (`headers` renames columns;
+  a key a row lacks shows its `name`)."""
   headers = headers or {}
   head = "| " + " | ".join([*keys, *(headers.get(m, m) for m in metrics)]) + " |"
   sep = "|" + "---|" * (len(keys) + len(metrics))
   lines = [head, sep]
   for r in rows:
-    cells = [str(r[k]) for k in keys] + [format_cell(r, m) for m in metrics]
+    cells = [str(r.get(k, r.get("name", ""))) for k in keys] + [format_cell(r, m) for m in metrics]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)

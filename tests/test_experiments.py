@@ -7,6 +7,7 @@ the same through a cell injected after their `parameters` cell, as papermill wou
 
 import json
 import os
+import shutil
 import struct
 
 import jax
@@ -20,6 +21,7 @@ from configs import default
 from experiments import compare_modes, plotting, sweep
 from tests.tiny import TINY
 from trace_jax import train
+from trace_jax.config import ConfigError
 from trace_jax.metrics_writer import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,9 +59,10 @@ def base(overrides):
 
 @pytest.fixture(scope="module")
 def seeds_sweep(base, xla_cache, tmp_path_factory):
-  """trace and bf16, seeds 0 and 1, in this process."""
+  """trace and bf16, seeds 0 and 1 (given as a generator: used once per grid point), in this process."""
   root = str(tmp_path_factory.mktemp("sweep"))
-  rows = sweep.sweep(base, {"mode": ["trace", "bf16"]}, root=root, seeds=[0, 1], metrics=compare_modes.METRICS)
+  seeds = (s for s in (0, 1))
+  rows = sweep.sweep(base, {"mode": ["trace", "bf16"]}, root=root, seeds=seeds, metrics=compare_modes.METRICS)
   return root, rows
 
 
@@ -75,6 +78,8 @@ def test_configure_copies_and_names_unknown_fields():
     sweep.configure(base, {"rl.tis_capp": 0.0})
   with pytest.raises(KeyError, match="'nosuch'"):
     sweep.configure(base, {"nosuch.field": 1})
+  with pytest.raises(ValueError, match="seeds is empty"):
+    sweep.sweep(base, {"mode": ["trace"]}, root="/nonexistent", seeds=[])
 
 
 def test_expand_takes_grids_and_lists():
@@ -86,32 +91,72 @@ def test_expand_takes_grids_and_lists():
   ]
   assert sweep.expand([{}, {"a": 1}]) == [{}, {"a": 1}]
   assert sweep.run_name({}) == "base"
-  assert sweep.run_name({"trace.guidance_form": "full", "rl.tis_cap": 0.0}) == "guidance_form=full,tis_cap=0.0"
+  assert sweep.run_name({"trace.guidance_form": "full", "rl.tis_cap": 0.0}) == "trace.guidance_form=full,rl.tis_cap=0.0"
 
 
 def test_sweep_aggregates_seeds_from_each_runs_own_workdir(seeds_sweep):
   root, rows = seeds_sweep
   assert [r["mode"] for r in rows] == ["trace", "bf16"]
+  checked = 0
   for row in rows:
-    assert row["seeds"] == 2
+    assert row["seeds"] == 2 and row["name"] == f"mode={row['mode']}" and row["overrides"] == {"mode": row["mode"]}
     assert row["workdirs"] == [os.path.join(root, f"mode={row['mode']}", f"seed{s}") for s in (0, 1)]
-    results = []
+    late_dlogp = []
     for workdir, seed in zip(row["workdirs"], (0, 1)):
       with open(os.path.join(workdir, "config.json")) as f:
         config = json.load(f)
       assert (config["mode"], config["seed"], config["steps"]) == (row["mode"], seed, STEPS)
-      results.append(sweep.run(None, workdir))  # finished: read back, the config is not needed
+      steps = read_metrics(workdir)
+      assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
+      late_dlogp.append(steps[-1]["mismatch/logp_diff_mean"])  # the last 20% of 2 steps: the last one
+    m = "last:mismatch/logp_diff_mean"
+    assert row[f"{m}:values"] == late_dlogp and row[f"{m}:n"] == 2
+    np.testing.assert_allclose(row[f"{m}:mean"], np.mean(late_dlogp), rtol=1e-12)
+    np.testing.assert_allclose(row[f"{m}:std"], np.std(late_dlogp, ddof=1), rtol=1e-12)  # sample std
     for metric in compare_modes.METRICS:
-      values = [sweep.extract(r, metric) for r in results]
+      values = np.array(row[f"{metric}:values"])
       if np.isfinite(values).all():
-        np.testing.assert_allclose(row[f"{metric}:mean"], np.mean(values), rtol=1e-12)
-        np.testing.assert_allclose(row[f"{metric}:std"], np.std(values), rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(row[f"{metric}:mean"], values.mean(), rtol=1e-12)
+        np.testing.assert_allclose(row[f"{metric}:std"], values.std(ddof=1), rtol=1e-12, atol=1e-15)
+        checked += 1
+      else:
+        assert row[f"{metric}:n"] == 0 and np.isnan(row[f"{metric}:mean"])
+  assert checked >= len(compare_modes.METRICS) + 6  # every metric for trace; bf16 lacks the FP4 codes
   trace, bf16 = rows
-  # the seeds differ, and so do the modes in what they measure
-  a, b = (read_metrics(w) for w in trace["workdirs"])
-  assert [r["mismatch/logp_diff_mean"] for r in a] != [r["mismatch/logp_diff_mean"] for r in b]
+  assert late_dlogp[0] != late_dlogp[1]  # the seeds differ
   assert trace["last:guidance/bytes_per_token:mean"] > 0 and bf16["last:guidance/bytes_per_token:mean"] == 0
   assert 0 < trace["last:agreement/deep:mean"] <= 1 and np.isnan(bf16["last:agreement/deep:mean"])
+
+
+def test_sweep_refuses_ambiguous_grids(base):
+  with pytest.raises(ValueError, match="share the workdir name"):
+    sweep.sweep(base, [{"rl.tis_cap": 0.0}, {"rl.tis_cap": 0.0}], root="/nonexistent")
+  with pytest.raises(ValueError, match="pass seeds"):
+    sweep.sweep(base, {"seed": [1, 2]}, root="/nonexistent")
+
+
+def test_run_reads_back_resumes_or_refuses(seeds_sweep, base, tmp_path, monkeypatch):
+  """Finished under this config: read back. Fewer steps than asked (stopped, or extended):
+  resumed. Another config: refused, naming the fields, nothing touched."""
+  _, rows = seeds_sweep
+  workdir = str(tmp_path / "run")
+  shutil.copytree(rows[0]["workdirs"][0], workdir)
+  cfg = sweep.configure(base, {"mode": "trace"})
+  calls = []
+  monkeypatch.setattr(train, "train_and_evaluate", lambda c, w: calls.append((c.steps, w)))
+  assert sweep.run(cfg, workdir)["summary"]["steps"] == STEPS and calls == []
+  with pytest.raises(ConfigError, match=r"\['rl'\]"):
+    sweep.run(sweep.configure(cfg, {"rl.tis_cap": 0.0}), workdir)
+  sweep.run(sweep.configure(cfg, {"steps": STEPS + 2}), workdir)
+  assert calls == [(STEPS + 2, workdir)]
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump({**summary, "steps": STEPS - 1}, f)  # as a run stopped by SIGTERM leaves it
+  sweep.run(cfg, workdir)
+  assert calls[-1] == (STEPS, workdir)
+  with pytest.raises(FileNotFoundError, match="no finished run"):
+    sweep.run(None, str(tmp_path))
 
 
 def test_extract_averages_the_last_fifth_and_the_layer_halves():
@@ -134,7 +179,7 @@ def test_finished_runs_are_read_back_not_rerun(seeds_sweep, base, monkeypatch):
 
   monkeypatch.setattr(train, "train_and_evaluate", fail)
   again = sweep.sweep(base, {"mode": ["trace", "bf16"]}, root=root, seeds=[0, 1], metrics=compare_modes.METRICS)
-  assert json.dumps(again) == json.dumps(rows)
+  assert json.dumps(again) == json.dumps(rows)  # NaN included
 
 
 def test_a_run_in_its_own_process_matches_the_in_process_run(seeds_sweep, base, tmp_path, monkeypatch, xla_cache):
@@ -146,7 +191,9 @@ def test_a_run_in_its_own_process_matches_the_in_process_run(seeds_sweep, base, 
   result = sweep.run(cfg, str(tmp_path / "run"), processes=True)
   assert os.path.exists(tmp_path / "run" / "sweep_config.py")
   strip = lambda ms: [json.dumps({k: v for k, v in m.items() if not k.startswith("time/")}, sort_keys=True) for m in ms]
-  assert strip(result["metrics"]) == strip(read_metrics(rows[0]["workdirs"][0]))
+  in_process = sweep.run(None, rows[0]["workdirs"][0])
+  assert strip(result["metrics"]) == strip(in_process["metrics"])
+  assert result["summary"] == in_process["summary"] and result["config"] == in_process["config"]
 
 
 def test_tables_and_figures(seeds_sweep, tmp_path):
@@ -156,13 +203,17 @@ def test_tables_and_figures(seeds_sweep, tmp_path):
   assert len(lines) == 4 and "codeword agreement, deeper half" in lines[0] and "±" in lines[2]
   assert lines[3].startswith("| bf16 |") and "n/a" in lines[3]  # no FP4 engine, no codes to compare
   final = compare_modes.final_policy_table(rows)
-  assert "bf16-trained, post-hoc PTQ" in final and "(reference)" in final and "/2 seeds ahead)" in final
+  assert "bf16-trained, post-hoc PTQ" in final and "(reference)" in final and "/2 seeds > 0)" in final
   trace_fp4, ptq = (r["final/accuracy_fp4_engine:mean"] for r in rows)
   assert f"{trace_fp4 - ptq:+.3f}" in final.splitlines()[2]
 
   sweep.write_table(rows, str(tmp_path / "table"))
   with open(tmp_path / "table.json") as f:
-    assert json.load(f) == json.loads(json.dumps(rows))
+    text = f.read()
+  assert "NaN" not in text  # strict JSON: NaN is written as null
+  saved = json.loads(text)
+  assert saved[0]["last:reward/mean:mean"] == rows[0]["last:reward/mean:mean"]
+  assert saved[1]["last:agreement/deep:mean"] is None and saved[1]["workdirs"] == rows[1]["workdirs"]
   with open(tmp_path / "table.csv") as f:
     header = f.readline().strip().split(",")
   assert header[0] == "mode" and "last:reward/mean:mean" in header and "workdirs" not in header
@@ -249,13 +300,13 @@ def test_notebook_ablations(overrides, tmp_path, kernel_env):
   assert runs == sorted(
     [
       "base",
-      "guided_fraction=0.0",
-      "guided_fraction=0.25",
-      "guided_fraction=1.0",
-      "guidance_form=mantissa",
-      "guidance_form=full",
-      "tis_cap=0.0",
-      "routing_replay=False",
+      "trace.guided_fraction=0.0",
+      "trace.guided_fraction=0.25",
+      "trace.guided_fraction=1.0",
+      "trace.guidance_form=mantissa",
+      "trace.guidance_form=full",
+      "rl.tis_cap=0.0",
+      "rl.routing_replay=False",
     ]
   )
   with open(root / "table.json") as f:
