@@ -609,7 +609,9 @@ def _summary(workdir, run, state, cfg, tokenizer, test_source, eval_key, topolog
       if values:
         summary[f"first_{k}/{key}"] = float(np.mean(values[:k]))
         summary[f"last_{k}/{key}"] = float(np.mean(values[-k:]))
-  if jax.process_index() == 0:
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
+  if jax.process_index() == 0:  # atomic: a half-written summary must not look like a finished run
+    path = os.path.join(workdir, "summary.json")
+    with open(path + ".tmp", "w") as f:
       json.dump(summary, f, indent=2)
+    os.replace(path + ".tmp", path)
   return summary
