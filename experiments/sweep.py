@@ -28,6 +28,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from trace_jax.config import deeper_layers
 from trace_jax.metrics_writer import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -236,7 +237,7 @@ def row_value(row: dict, key: str, num_layers: int | None = None) -> float:
     if not layers:
       return float("nan")
     n = num_layers or max(present) + 1
-    deep = set(range(n - round(n * 0.5), n))  # config.deeper_layers(n, 0.5)
+    deep = set(deeper_layers(n, 0.5))
     if key == "agreement/deep":
       layers = {i: v for i, v in layers.items() if i in deep}
     elif key == "agreement/shallow":

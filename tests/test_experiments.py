@@ -10,12 +10,10 @@ import os
 import shutil
 import struct
 
-import jax
 import nbclient
 import nbformat
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
 from configs import default
 from experiments import compare_modes, plotting, sweep
@@ -26,23 +24,6 @@ from trace_jax.metrics_writer import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 2
-
-
-@pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory):
-  """One on-disk compilation cache for this module's runs, its subprocesses and notebook kernels."""
-  if jax.config.jax_compilation_cache_dir:
-    yield jax.config.jax_compilation_cache_dir
-    return
-  path = str(tmp_path_factory.mktemp("xla_cache"))
-  min_secs = jax.config.jax_persistent_cache_min_compile_time_secs
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-  compilation_cache.set_cache_dir(path)
-  compilation_cache.reset_cache()
-  yield path
-  jax.config.update("jax_compilation_cache_dir", None)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
-  compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="module")

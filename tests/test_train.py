@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
@@ -66,21 +65,7 @@ SPEC_KEYS = (
 # --- fixtures and helpers -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def xla_cache(tmp_path_factory):
-  """An on-disk compilation cache for this module (unless the user runs with their own)."""
-  if jax.config.jax_compilation_cache_dir:
-    yield jax.config.jax_compilation_cache_dir
-    return
-  path = str(tmp_path_factory.mktemp("xla_cache"))
-  min_secs = jax.config.jax_persistent_cache_min_compile_time_secs
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-  compilation_cache.set_cache_dir(path)
-  compilation_cache.reset_cache()  # re-read the setting even if earlier tests compiled already
-  yield path
-  jax.config.update("jax_compilation_cache_dir", None)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
-  compilation_cache.reset_cache()
+pytestmark = pytest.mark.usefixtures("xla_cache")  # tests/conftest.py: an on-disk compile cache per module
 
 
 @pytest.fixture(scope="module")
