@@ -1,7 +1,7 @@
 """Model presets: the `model` section of a config, validated by `trace_jax.config.model_config`.
 
-Import them (`from configs import models; config.model = models.tiny()`) or load this file by
-path with a preset name: `--model=configs/models.py:qwen3_30b_a3b`.
+Pick one on the command line with `--config=configs/default.py:trace,model=qwen3_30b_a3b`, or
+import them (`from configs import models; config.model = models.tiny()`).
 """
 
 import ml_collections

@@ -52,16 +52,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from configs import models  # noqa: E402
-from trace_jax import data, model, rollout, sharding, train  # noqa: E402
-from trace_jax.config import (  # noqa: E402
-  GRPOConfig,
-  ModelConfig,
-  OptimConfig,
-  QuantConfig,
-  SamplingConfig,
-  model_config,
-  resolve_mode,
-)
+from trace_jax import config as config_lib  # noqa: E402
+from trace_jax import experience, model, rollout, sharding, trainer  # noqa: E402
+from trace_jax.config import ModelConfig, RunConfig, model_config  # noqa: E402
 from trace_jax.expert_parallel import ExpertParallel  # noqa: E402
 
 
@@ -94,23 +87,27 @@ def _report(compiled, seconds: float) -> dict:
   }
 
 
-def run_config(config: ModelConfig, new_tokens: int) -> train.RunConfig:
-  mode = resolve_mode("trace", config, QuantConfig(), diagnostics=False)
-  sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0)
-  return train.RunConfig(config, mode, sampling, GRPOConfig(num_generations=16), OptimConfig(), data.RewardConfig())
+def run_config(config: ModelConfig, new_tokens: int) -> RunConfig:
+  """The trace mode at the defaults, 16 samples per prompt, without diagnostic codes."""
+  cfg = config_lib.defaults()
+  cfg.model = config_lib.to_config_dict(config)
+  cfg.rollout.max_new_tokens = new_tokens
+  cfg.rl.num_generations = 16
+  cfg.trace.diagnostics = False
+  return RunConfig.from_config(cfg)
 
 
-def compile_train_step(run: train.RunConfig, mesh, ep: ExpertParallel | None, batch: int, seq: int) -> dict:
+def compile_train_step(run: RunConfig, mesh, ep: ExpertParallel | None, batch: int, seq: int) -> dict:
   """The GRPO step (QAT forward guided by TRACE guidance, backward, AdamW) on the trainer mesh."""
-  optimizer = train.make_optimizer(run.optim, 1000)
+  optimizer = trainer.make_optimizer(run.optim, 1000)
   config = run.model
 
   def init():
     params = model.init_params(config, jax.random.key(0))
-    return train.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    return trainer.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
   state = jax.eval_shape(init)
-  state = _with_shardings(state, train.state_shardings(state, optimizer, mesh))
+  state = _with_shardings(state, trainer.state_shardings(state, optimizer, mesh))
   prompt = seq + 1 - run.sampling.max_new_tokens
 
   def rollout_batch(engine, prompts, mask):  # shapes only: what the engine hands the trainer
@@ -123,13 +120,13 @@ def compile_train_step(run: train.RunConfig, mesh, ep: ExpertParallel | None, ba
       rollout_config=run.mode.rollout,
       sampling=run.sampling,
     )
-    return train.train_batch_from_rollout(result, jnp.zeros((batch,)), run.grpo.routing_replay)
+    return experience.train_batch_from_rollout(result, jnp.zeros((batch,)), run.grpo.routing_replay)
 
   engine = jax.eval_shape(lambda p: rollout.weight_sync(p, run.mode.rollout.quant), state.params)
   tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32)
   abstract_batch = jax.eval_shape(rollout_batch, engine, tokens, tokens)
   abstract_batch = _with_shardings(abstract_batch, sharding.batch_shardings(abstract_batch, mesh))
-  step = train.make_rl_step(run, optimizer, mesh=mesh, expert_parallel=ep)
+  step = trainer.make_rl_step(run, optimizer, mesh=mesh, expert_parallel=ep)
   t0 = time.perf_counter()
   compiled = step.lower(state, abstract_batch, first=True).compile()
   out = _report(compiled, time.perf_counter() - t0)
@@ -138,14 +135,14 @@ def compile_train_step(run: train.RunConfig, mesh, ep: ExpertParallel | None, ba
   return out
 
 
-def compile_decode_step(run: train.RunConfig, mesh, ep: ExpertParallel | None, batch: int, cache: int) -> dict:
+def compile_decode_step(run: RunConfig, mesh, ep: ExpertParallel | None, batch: int, cache: int) -> dict:
   """One engine decode step (FP4 packed experts, FP4 KV cache of `cache` slots) on the rollout mesh."""
   config, engine_cfg = run.model, run.mode.rollout
   params = jax.eval_shape(lambda: model.init_params(config, jax.random.key(0)))
   engine = jax.eval_shape(lambda p: rollout.weight_sync(p, engine_cfg.quant), params)
-  engine_sh = sharding.engine_shardings(engine, mesh)
+  engine_sh = sharding.logical_shardings(engine, mesh)
   caches = jax.eval_shape(lambda: rollout.init_cache(config, batch, cache, engine_cfg.quant, jnp.bfloat16))
-  cache_sh = sharding.cache_shardings(caches, mesh)
+  cache_sh = sharding.logical_shardings(caches, mesh)
   column = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
   slot_mask = jax.ShapeDtypeStruct((batch, cache), jnp.int32)
   start = jax.ShapeDtypeStruct((), jnp.int32)

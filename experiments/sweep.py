@@ -91,14 +91,14 @@ def _finished(config: ml_collections.ConfigDict, workdir: str) -> bool:
   summary_path, config_path = os.path.join(workdir, "summary.json"), os.path.join(workdir, "config.json")
   if not os.path.exists(config_path):
     return False
-  from trace_jax import train  # noqa: PLC0415
+  from trace_jax import job  # noqa: PLC0415
   from trace_jax.config import ConfigError  # noqa: PLC0415
 
   with open(config_path) as f:
     saved = json.load(f)
   current = json.loads(config.to_json_best_effort())
   differs = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
-  if [k for k in differs if k not in train.RESUMABLE_FIELDS]:
+  if [k for k in differs if k not in job.RESUMABLE_FIELDS]:
     raise ConfigError(
       f"{workdir} holds a run of another config (fields {differs} differ from its config.json); "
       "use another root, or delete the workdir to rerun it."

@@ -19,15 +19,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from trace_jax import checkpoint, data, model, moe, qat, rollout, sharding, train  # noqa: E402
-from trace_jax.config import (  # noqa: E402
-  GRPOConfig,
-  ModelConfig,
-  OptimConfig,
-  QuantConfig,
-  SamplingConfig,
-  resolve_mode,
-)
+from trace_jax import checkpoint, cluster, data, model, moe, qat, sharding, train, trainer  # noqa: E402
+from trace_jax import config as config_lib  # noqa: E402
+from trace_jax.config import ModelConfig, OptimConfig, QuantConfig, RunConfig  # noqa: E402
 from trace_jax.expert_parallel import ExpertParallel  # noqa: E402
 
 CFG = ModelConfig(
@@ -46,67 +40,72 @@ CFG = ModelConfig(
 B, P, NEW, G = 16, 6, 6, 4  # 16 sequences = 4 prompts x 4 samples
 
 
-class Run32(train.RunConfig):
+def run_config(mode: str) -> RunConfig:
   """The trainer in fp32 (bf16 matmuls reorder under sharding; fp32 makes the comparison tight)."""
+  cfg = config_lib.defaults()
+  cfg.update(mode=mode, trainer_dtype="float32")
+  cfg.model = config_lib.to_config_dict(CFG)
+  cfg.rollout.max_new_tokens = NEW
+  cfg.rl.num_generations = G
+  cfg.rl.normalize_std = False
+  cfg.optim.learning_rate = 1e-3
+  run = RunConfig.from_config(cfg)
+  rollout_fp32 = dataclasses.replace(run.mode.rollout, compute_dtype="float32")
+  return dataclasses.replace(run, mode=dataclasses.replace(run.mode, rollout=rollout_fp32))
 
-  def qat_context(self):
-    return dataclasses.replace(super().qat_context(), compute_dtype=jnp.float32)
 
-
-def run_config(mode: str) -> train.RunConfig:
-  m = resolve_mode(mode, CFG, QuantConfig(), diagnostics=True)
-  m = dataclasses.replace(m, rollout=dataclasses.replace(m.rollout, compute_dtype="float32"))
-  sampling = SamplingConfig(max_new_tokens=NEW, temperature=1.0, eos_id=2, pad_id=0)
-  return Run32(CFG, m, sampling, GRPOConfig(num_generations=G), OptimConfig(learning_rate=1e-3), data.RewardConfig())
-
-
-def prompts():
+def prompts() -> data.PromptBatch:
+  """4 prompts with 0-3 left pads (x G samples each = B sequences)."""
   rng = np.random.default_rng(0)
-  tokens = rng.integers(3, CFG.vocab_size, (B, P)).astype(np.int32)
-  mask = np.ones((B, P), np.int32)
-  for i, pad in enumerate([0, 2, 3, 1] * (B // 4)):
-    tokens[i, :pad], mask[i, :pad] = 0, 0
-  return tokens, mask
+  n = B // G
+  tokens = rng.integers(3, CFG.vocab_size, (n, P)).astype(np.int32)
+  mask = np.ones((n, P), bool)
+  for i, pad in enumerate([0, 2, 3, 1]):
+    tokens[i, :pad], mask[i, :pad] = 0, False
+  answers = [""] * n
+  return data.PromptBatch(tokens, mask, answers, answers, np.zeros(n, np.int32), np.arange(n), [{}] * n, 0)
 
 
-def pipeline(run: train.RunConfig, topology: sharding.Topology, steps: int = 2):
-  """A few RL steps (synthetic rewards) on the given meshes; returns host copies of the results."""
-  optimizer = train.make_optimizer(run.optim, 10)
-  state = train.init_state(run.model, optimizer, jax.random.key(0), topology.trainer)
-  sync = rollout.make_weight_sync(run.mode.rollout.quant, topology.trainer, topology.rollout)
-  generate = rollout.make_generate(topology.rollout)
-  step_fn = train.make_rl_step(run, optimizer, mesh=topology.trainer, expert_parallel=topology.expert_parallel)
-  host = prompts()
+def synthetic_rewards(answers, responses):
+  """Deterministic in the tokens, so that both layouts see the same rewards."""
+  return (responses % 3 == 0).mean(1).astype(np.float32)
+
+
+def pipeline(run: RunConfig, topology: cluster.Topology, steps: int = 2):
+  """A few RL steps of the real loop's `train.RLStep` on the given meshes; returns host copies."""
+  optimizer = trainer.make_optimizer(run.optim, 10)
+  state = trainer.init_state(run.model, optimizer, jax.random.key(0), topology.trainer)
+  rl_step = train.RLStep.build(run, topology, optimizer, synthetic_rewards, jax.random.key(7))
+  generate = cluster.make_generate(topology.rollout)
+  batch = prompts()
   out = {"metrics": [], "tokens": [], "logprobs": [], "bytes": []}
   for step in range(steps):
+    # The same rollout as the step's own (same params, key and prompts), kept for the comparison.
+    engine, _ = rl_step.sync(state.params)
+    host = (np.repeat(batch.tokens, G, axis=0), np.repeat(batch.mask, G, axis=0))
     p, m = sharding.host_to_global(host, sharding.batch_shardings(host, topology.rollout))
-    engine, sync_bytes = sync(state.params)
     result = generate(
       engine,
       p,
       m,
-      jax.random.key(step),
+      jax.random.fold_in(rl_step.rollout_key, step),
       None,
       model_config=run.model,
       rollout_config=run.mode.rollout,
       sampling=run.sampling,
       expert_parallel=topology.rollout_expert_parallel,
     )
-    tokens = sharding.to_host(result.tokens)
-    rewards = (tokens[:, P:] % 3 == 0).mean(1).astype(np.float32)  # synthetic, deterministic in the tokens
-    adv = np.asarray((rewards.reshape(-1, G) - rewards.reshape(-1, G).mean(1, keepdims=True)).reshape(-1))
-    batch = train.train_batch_from_rollout(result, None, run.grpo.routing_replay)
-    targets = sharding.batch_shardings(batch, topology.trainer)
-    guidance_bytes = sharding.crossing_bytes(batch.guidance, targets.guidance)
-    batch, batch_bytes = sharding.reshard(batch, targets)
-    batch = dataclasses.replace(
-      batch, advantages=sharding.host_to_global(adv, sharding.batch_shardings(adv, topology.trainer))
-    )
-    state, _, metrics = step_fn(state, batch, first=True)
-    out["metrics"].append({k: float(v) for k, v in jax.device_get(metrics).items()})
-    out["tokens"].append(tokens)
+    state, metrics = rl_step(step, state, batch)
+    out["metrics"].append(metrics)
+    out["tokens"].append(sharding.to_host(result.tokens))
     out["logprobs"].append(sharding.to_host(result.logprobs))
-    out["bytes"].append(dict(sync=sync_bytes, batch=batch_bytes, guidance=guidance_bytes))
+    out["bytes"].append(
+      dict(
+        sync=metrics["transfer/weight_sync_bytes"],
+        batch=metrics["transfer/rollout_to_trainer_bytes"],
+        guidance=metrics["transfer/guidance_bytes"],
+      )
+    )
   out["params"] = sharding.to_host(state.params)
   out["state"] = state
   out["engine_sharding"] = str(jax.tree_util.tree_leaves(engine)[-3].sharding.spec)
@@ -119,7 +118,8 @@ def max_diff(a, b) -> float:
 
 
 def metric_diff(ma: list[dict], mb: list[dict]) -> float:
-  diffs = [abs(a[k] - b[k]) for a, b in zip(ma, mb) for k in a if np.isfinite(a[k]) and k in b]
+  same = lambda k: not k.startswith(("time/", "transfer/"))  # wall clock and layout-dependent bytes
+  diffs = [abs(a[k] - b[k]) for a, b in zip(ma, mb) for k in a if same(k) and np.isfinite(a[k]) and k in b]
   return max(diffs)
 
 
@@ -127,10 +127,12 @@ def check_rl(results: dict) -> None:
   """Two RL steps on one device against a disaggregated layout: the engine on devices 0-3
   (expert 2 x tensor 2), the trainer on devices 4-7 (fsdp 2 x expert 2); both expert parallel."""
   run = run_config("trace")
-  single = pipeline(run, sharding.Topology.single_device())
-  trainer, rollout_mesh = sharding.make_meshes({"fsdp": 2, "expert": 2}, {"expert": 2, "tensor": 2}, rollout_devices=4)
-  eps = ExpertParallel(trainer, capacity_factor=4.0), ExpertParallel(rollout_mesh)
-  topology = sharding.Topology(trainer, rollout_mesh, *eps)
+  single = pipeline(run, cluster.Topology.single_device())
+  trainer_mesh, rollout_mesh = sharding.make_meshes(
+    {"fsdp": 2, "expert": 2}, {"expert": 2, "tensor": 2}, rollout_devices=4
+  )
+  eps = ExpertParallel(trainer_mesh, capacity_factor=4.0), ExpertParallel(rollout_mesh)
+  topology = cluster.Topology(trainer_mesh, rollout_mesh, *eps)
   res = pipeline(run, topology)
   results["rl"] = dict(
     tokens_equal=all(np.array_equal(a, b) for a, b in zip(single["tokens"], res["tokens"])),
@@ -211,10 +213,10 @@ def rows_with_drops(ids, devices, n_ep, cf, a2a) -> int:
 
 def check_checkpoint(results: dict) -> None:
   """Save a state sharded on one mesh, restore it onto another mesh shape (and one device)."""
-  optimizer = train.make_optimizer(OptimConfig(), 10)
+  optimizer = trainer.make_optimizer(OptimConfig(), 10)
   mesh_a = sharding.make_mesh({"fsdp": 2, "expert": 4})
   mesh_b = sharding.make_mesh({"data": 2, "tensor": 4})
-  state = train.init_state(CFG, optimizer, jax.random.key(3), mesh_a)
+  state = trainer.init_state(CFG, optimizer, jax.random.key(3), mesh_a)
   with tempfile.TemporaryDirectory() as workdir:
     ckpt = checkpoint.Checkpointer(workdir)
     ckpt.save(1, state, force=True)
@@ -223,13 +225,13 @@ def check_checkpoint(results: dict) -> None:
     target = jax.tree_util.tree_map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
       abstract,
-      train.state_shardings(abstract, optimizer, mesh_b),
+      trainer.state_shardings(abstract, optimizer, mesh_b),
     )
     step, restored = ckpt.restore_latest(target)
-    single = train.init_state(CFG, optimizer, jax.random.key(4), sharding.Topology.single_device().trainer)
+    single = trainer.init_state(CFG, optimizer, jax.random.key(4), cluster.Topology.single_device().trainer)
     _, on_one = ckpt.restore_latest(single)
     ckpt.close()
-  want = train.state_shardings(restored, optimizer, mesh_b)
+  want = trainer.state_shardings(restored, optimizer, mesh_b)
   results["checkpoint"] = dict(
     step=step,
     equal=max_diff(sharding.to_host(state), sharding.to_host(restored)) == 0.0,

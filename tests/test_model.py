@@ -16,7 +16,7 @@ import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from trace_jax import model, moe, qat, quantizer
-from trace_jax.config import ConfigError, ModelConfig, QuantConfig, quant_config
+from trace_jax.config import ConfigError, ModelConfig, QuantConfig, section
 
 TINY = ModelConfig(
   vocab_size=64,
@@ -211,7 +211,7 @@ def test_sparse_step_selects_layers():
     ),
     (lambda: QuantConfig(targets=("experts", "lm_head")), "quant.targets"),
     (lambda: QuantConfig(fmt="nvfp8"), "quant.fmt"),
-    (lambda: quant_config({"fmt": "nvfp4", "target": ["kv"]}), "quant.target"),
+    (lambda: section(QuantConfig, {"fmt": "nvfp4", "target": ["kv"]}, "quant"), "quant.target"),
   ],
 )
 def test_config_errors_name_the_field(make, field):

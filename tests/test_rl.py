@@ -1,4 +1,4 @@
-"""The GRPO pieces of trace_jax.rl (and train.trainer_guidance) against plain numpy references.
+"""The GRPO pieces of trace_jax.rl (and experience.trainer_guidance) against plain numpy references.
 
 Each function is small and pure, so every test runs eagerly on a few tokens: advantages,
 the PPO-clip objective and its gradient, the TIS weight, the k3 KL, the mismatch metrics of
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trace_jax import rl, rollout, train
+from trace_jax import experience, rl
 from trace_jax.config import GRPOConfig
 from trace_jax.quantizer import Guidance
 
@@ -313,7 +313,7 @@ def test_routing_agreement():
 
 def fake_rollout(guidance, codes, n=3, t=7):
   zeros = jnp.zeros((n, t), jnp.int32)
-  return rollout.RolloutResult(zeros, zeros > 0, zeros > 0, zeros.astype(jnp.float32), (None,) * 3, guidance, codes)
+  return experience.RolloutResult(zeros, zeros > 0, zeros > 0, zeros.astype(jnp.float32), (None,) * 3, guidance, codes)
 
 
 def test_trainer_guidance_slices_and_merges():
@@ -329,7 +329,7 @@ def test_trainer_guidance_slices_and_merges():
     guidance=({}, {"moe_input": mantissa}, {"moe_input": full}),  # layer 0 unguided; 1 compact; 2 full
     codes=(diag, diag, diag),
   )
-  layers = train.trainer_guidance(result)
+  layers = experience.trainer_guidance(result)
   assert len(layers) == 3
   # Unguided layer: the diagnostic codes alone (no rollout scales to steer the trainer).
   g0 = layers[0]["moe_input"]
@@ -349,4 +349,4 @@ def test_trainer_guidance_slices_and_merges():
 
 def test_trainer_guidance_without_recording():
   result = fake_rollout(guidance=({}, {}, {}), codes=({}, {}, {}))
-  assert train.trainer_guidance(result) == ({}, {}, {})
+  assert experience.trainer_guidance(result) == ({}, {}, {})

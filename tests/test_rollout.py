@@ -18,6 +18,7 @@ from scipy import stats
 
 from trace_jax import fp4, model, qat, quantizer, rollout
 from trace_jax.config import ConfigError, ModelConfig, QuantConfig, RolloutConfig, SamplingConfig, deeper_layers
+from trace_jax.experience import RolloutResult
 
 CFG = ModelConfig(
   vocab_size=40,
@@ -78,7 +79,7 @@ def drop_last(tree):
   return jax.tree_util.tree_map(lambda a: a[:, :-1] if a.ndim >= 2 else a, tree)
 
 
-def trainer(params, res: rollout.RolloutResult, ctx, guidance=None, replay=False):
+def trainer(params, res: RolloutResult, ctx, guidance=None, replay=False):
   """Teacher-forced trainer on the rollout's tokens: (log-probs of tokens[:, 1:], logits, aux)."""
   replay_ids = drop_last(res.topk_ids) if replay else None
   guidance = None if guidance is None else drop_last(guidance)
@@ -86,7 +87,7 @@ def trainer(params, res: rollout.RolloutResult, ctx, guidance=None, replay=False
   return model.token_logprobs(logits, res.tokens[:, 1:]), logits, aux
 
 
-def dlogp(train_logprobs, res: rollout.RolloutResult):
+def dlogp(train_logprobs, res: RolloutResult):
   """(mean, max) |logp_train - logp_rollout| over response tokens."""
   m = np.asarray(res.response_mask[:, 1:], bool)
   d = np.abs(np.asarray(train_logprobs) - np.asarray(res.logprobs[:, 1:]))[m]
@@ -428,15 +429,15 @@ def test_sample_greedy():
   [
     (lambda: RolloutConfig(compute_dtype="float16"), "rollout.compute_dtype"),
     (lambda: RolloutConfig(guidance_form="bits"), "rollout.guidance_form"),
-    (lambda: RolloutConfig(matmul_impl="cuda"), "rollout.matmul_impl"),
+    (lambda: QuantConfig(matmul_impl="cuda"), "quant.matmul_impl"),
     (lambda: RolloutConfig(quant=None, guided_layers=(1,)), "rollout.guided_layers"),
     (lambda: RolloutConfig(quant=None, record_codes=True), "rollout.record_codes"),
     (lambda: RolloutConfig(guided_layers=(-1,)), "rollout.guided_layers"),
-    (lambda: SamplingConfig(max_new_tokens=0), "sampling.max_new_tokens"),
-    (lambda: SamplingConfig(temperature=-0.5), "sampling.temperature"),
-    (lambda: SamplingConfig(top_k=-1), "sampling.top_k"),
-    (lambda: SamplingConfig(top_p=0.0), "sampling.top_p"),
-    (lambda: SamplingConfig(top_p=1.5), "sampling.top_p"),
+    (lambda: SamplingConfig(max_new_tokens=0), "rollout.max_new_tokens"),
+    (lambda: SamplingConfig(temperature=-0.5), "rollout.temperature"),
+    (lambda: SamplingConfig(top_k=-1), "rollout.top_k"),
+    (lambda: SamplingConfig(top_p=0.0), "rollout.top_p"),
+    (lambda: SamplingConfig(top_p=1.5), "rollout.top_p"),
   ],
 )
 def test_config_errors_name_the_field(make, field):

@@ -30,8 +30,8 @@ from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 from configs import default, models
-from trace_jax import model, moe, qat, rollout, sharding
-from trace_jax.config import ModelConfig, QuantConfig, model_config
+from trace_jax import cluster, model, moe, qat, rollout, sharding
+from trace_jax.config import ConfigError, MeshConfig, ModelConfig, QuantConfig, RunConfig, model_config, section
 from trace_jax.expert_parallel import ExpertParallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -138,32 +138,34 @@ def test_logical_rules_on_a_pod_mesh():
 def test_param_and_engine_axes_mirror_the_pytrees():
   params = jax.eval_shape(lambda: model.init_params(TINY, jax.random.key(0)))
   mesh = abstract_mesh(fsdp=2, expert=4)
-  sh = sharding.params_shardings(params, mesh)
+  sh = sharding.logical_shardings(params, mesh)
   assert jax.tree_util.tree_structure(sh) == jax.tree_util.tree_structure(params)
   assert sh.layers[0].mlp.gate.spec == P("expert", "fsdp", None)
   assert sh.layers[0].mlp.router.spec == P("fsdp", None)
   assert sh.embed.spec == P(None, "fsdp")
   engine = jax.eval_shape(lambda p: rollout.weight_sync(p, QuantConfig()), params)
-  esh = sharding.engine_shardings(engine, mesh)
+  esh = sharding.logical_shardings(engine, mesh)
   assert jax.tree_util.tree_structure(esh) == jax.tree_util.tree_structure(engine)
   gate = esh.layers[0].mlp.gate  # packed FP4 codes [E, I, H/2] and scales [E, I, H/16]
   assert gate.codes.spec == P("expert", None, None) and gate.scales.spec == P("expert", None, None)
   caches = jax.eval_shape(lambda: rollout.init_cache(TINY, 8, 16, QuantConfig(), jnp.bfloat16))
-  csh = sharding.cache_shardings(caches, abstract_mesh(data=4, tensor=2))
+  csh = sharding.logical_shardings(caches, abstract_mesh(data=4, tensor=2))
   assert csh[0].k.codes.spec == P("data", None, "tensor", None)
 
 
 def test_topology_from_the_default_config_is_data_parallel():
-  topology = sharding.Topology.from_config(default.get_config())
+  topology = cluster.Topology.from_config(RunConfig.from_config(default.get_config()).mesh)
   assert dict(topology.trainer.shape)["data"] == jax.device_count()
   assert topology.expert_parallel is None
   cfg = default.get_config()
   cfg.mesh.moe_impl = "ep"
-  assert sharding.Topology.from_config(cfg).expert_parallel is not None
+  assert cluster.Topology.from_config(RunConfig.from_config(cfg).mesh).expert_parallel is not None
   cfg.mesh.moe_impl = "bogus"
-  with pytest.raises(ValueError, match="moe_impl"):
-    sharding.Topology.from_config(cfg)
-  assert sharding.Topology.from_config(ml_collections.ConfigDict()).rollout.size == jax.device_count()
+  with pytest.raises(ConfigError, match="mesh.moe_impl"):
+    RunConfig.from_config(cfg)
+  assert cluster.Topology.from_config(section(MeshConfig, ml_collections.ConfigDict(), "mesh")).rollout.size == (
+    jax.device_count()
+  )
 
 
 def test_initialize_distributed_is_a_no_op_for_one_process():
@@ -182,7 +184,7 @@ def test_expert_parallel_on_one_device_is_the_sorted_moe():
   params = model.init_params(TINY, jax.random.key(0)).layers[0].mlp
   x = jax.random.normal(jax.random.key(1), (10, TINY.hidden_size))
   ctx = qat.QatContext(QuantConfig(), compute_dtype=jnp.float32)
-  ep = ExpertParallel(sharding.Topology.single_device().trainer, capacity_factor=1.0)  # C = 3 < 10 rows
+  ep = ExpertParallel(cluster.Topology.single_device().trainer, capacity_factor=1.0)  # C = 3 < 10 rows
   ref = jax.jit(lambda p, x: moe.moe_block(p, x, TINY, ctx, {}, impl="sorted"))(params, x)
   got = jax.jit(lambda p, x: moe.moe_block(p, x, TINY, ctx, {}, impl="ep", expert_parallel=ep))(params, x)
   counts = np.bincount(np.asarray(ref.topk_ids).reshape(-1), minlength=TINY.num_experts)

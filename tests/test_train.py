@@ -31,8 +31,8 @@ from tensorboardX.record_writer import masked_crc32c
 
 from configs import default
 from tests.tiny import TINY
-from trace_jax import checkpoint, model, rollout, train
-from trace_jax.config import MODES, ConfigError
+from trace_jax import checkpoint, experience, model, rollout, train, trainer
+from trace_jax.config import MODES, ConfigError, RunConfig
 from trace_jax.metrics_writer import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,11 +113,10 @@ def without_eval(rows):
 
 def latest_state(cfg, workdir):
   """(step, TrainState) of the newest readable checkpoint in `workdir`."""
-  tokenizer, _, _ = train.load_data(cfg)
-  run = train.RunConfig.from_config(cfg, tokenizer)
-  optimizer = train.make_optimizer(run.optim, cfg.steps)
+  run = RunConfig.from_config(cfg)
+  optimizer = trainer.make_optimizer(run.optim, cfg.steps)
   params = model.init_params(run.model, jax.random.key(0))
-  template = train.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+  template = trainer.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
   ckpt = checkpoint.Checkpointer(workdir)
   try:
     return ckpt.restore_latest(template)
@@ -234,8 +233,8 @@ def test_tensorboard_holds_the_jsonl_scalars(reference):
 def test_every_mode_resolves_to_its_engine_and_trainer(data_dir):
   """SPEC section 7: what each mode means for the rollout engine and the trainer."""
   cfg = tiny_config(data_dir)
-  tokenizer, _, _ = train.load_data(cfg)
-  runs = {mode: train.RunConfig.from_config(tiny_config(data_dir, mode), tokenizer).mode for mode in MODES}
+  tokenizer, _, _ = train.load_data(RunConfig.from_config(cfg).data)
+  runs = {mode: RunConfig.from_config(tiny_config(data_dir, mode), tokenizer).mode for mode in MODES}
   assert set(runs) == {"bf16", "fp4", "qat", "quads", "trace", "trace_full"}
   quant = runs["qat"].trainer_quant
   assert quant.targets == ("experts", "kv") and quant.weights and quant.activations
@@ -280,20 +279,21 @@ def test_other_modes_trace_an_rl_step(mode, data_dir):
   RL step (weight sync, FP4 rollout, trainer batch, GRPO update) with jax.eval_shape checks them
   without paying three more compilations."""
   cfg = tiny_config(data_dir, mode)
-  tokenizer, _, _ = train.load_data(cfg)
-  run = train.RunConfig.from_config(cfg, tokenizer)
-  optimizer = train.make_optimizer(run.optim, cfg.steps)
+  run = RunConfig.from_config(cfg)
+  tokenizer, _, _ = train.load_data(run.data)
+  run = run.with_tokenizer(tokenizer)
+  optimizer = trainer.make_optimizer(run.optim, cfg.steps)
   n, p = cfg.batch_prompts * cfg.rl.num_generations, cfg.data.max_prompt_len
 
   def rl_step(params, prompts, prompt_mask, key):
-    state = train.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    state = trainer.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
     engine = rollout.weight_sync(params, run.mode.rollout.quant)
     result = rollout.generate(
       engine, prompts, prompt_mask, key, model_config=run.model, rollout_config=run.mode.rollout, sampling=run.sampling
     )
-    batch = train.train_batch_from_rollout(result, jnp.zeros((n,), jnp.float32), run.grpo.routing_replay)
+    batch = experience.train_batch_from_rollout(result, jnp.zeros((n,), jnp.float32), run.grpo.routing_replay)
     batch = dataclasses.replace(batch, ref_logp=batch.rollout_logp)
-    return train.make_rl_step(run, optimizer)(state, batch, first=True)
+    return trainer.make_rl_step(run, optimizer)(state, batch, first=True)
 
   params = jax.eval_shape(functools.partial(model.init_params, run.model), jax.random.key(0))
   tokens = jax.ShapeDtypeStruct((n, p), jnp.int32)

@@ -1,15 +1,32 @@
-"""Validated, frozen configs built from ml_collections ConfigDicts.
+"""Validated, frozen configs built from ml_collections ConfigDicts: the one source of defaults.
 
-`configs/*.py` hold the user-facing `get_config()` files; this module turns their sections
-into frozen dataclasses (hashable, so they can be static jit arguments) and rejects
-inconsistent settings with an error that names the field and the fix.
+Each section of a run's ConfigDict maps to one frozen dataclass here (hashable, so they can
+be static jit arguments), whose field defaults are the defaults of the job: `defaults()` builds
+the ConfigDict that `configs/default.py` starts from, and `RunConfig.from_config` reads it back,
+section by section, rejecting inconsistent settings with an error that names the field and the fix.
+
+  section       dataclass        what it holds
+  model         ModelConfig      the architecture (presets in configs/models.py)
+  quant         QuantConfig      FP4 format, what is quantized, how packed matmuls run
+  trace         TraceConfig      guided depth and form, diagnostic codes
+  rollout       SamplingConfig   how the engine samples (EOS / PAD ids come from the tokenizer)
+  rl            GRPOConfig       GRPO, TIS, KL, routing replay
+  optim         OptimConfig      the RL optimizer
+  reward        RewardConfig     the verifier
+  data          DataConfig       the task, tokenizer, prompt length
+  sft           SFTConfig        the supervised warm start
+  mesh          MeshConfig       trainer and rollout meshes, MoE dispatch (docs/scaling.md)
+  distributed   DistributedConfig  jax.distributed for several hosts
+  (top level)   JobConfig        seed, mode, steps, batch size, checkpoints, evaluation
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
+
+import ml_collections
 
 from trace_jax import fp4
 from trace_jax.quantizer import GUIDANCE_FORMS
@@ -92,8 +109,14 @@ class ModelConfig:
 
 # Where FP4 fake-quant / FP4 storage applies (SPEC section 2.5); the rest stays BF16.
 QUANT_TARGETS = ("experts", "kv", "attention", "dense_mlp", "shared_expert")
-# Activation tensors that the rollout records guidance for, per layer.
-GUIDED_TENSORS = ("moe_input", "moe_hidden", "key", "value")
+
+# The activation tensors the rollout records guidance for, per layer: the routed experts' input
+# (one row per token, shared by its k experts), their hidden activation (k rows per token) and
+# K / V as the FP4 cache stores them. The engine, the trainer's QAT hooks and the metrics key by these.
+MOE_INPUT, MOE_HIDDEN, KEY, VALUE = "moe_input", "moe_hidden", "key", "value"
+GUIDED_TENSORS = (MOE_INPUT, MOE_HIDDEN, KEY, VALUE)
+
+MATMUL_IMPLS = ("auto", "pallas", "reference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +126,8 @@ class QuantConfig:
   targets: subset of QUANT_TARGETS. `experts` = routed-expert matmuls (weights and, when
   `activations`, their inputs); `kv` = K/V as stored in the KV cache.
   weights / activations: W4 and A4 switches (quads = weights only).
+  matmul_impl: how the engine's packed FP4 matmuls run: 'auto' (the Pallas kernel on GPU, its
+  jnp reference elsewhere), 'pallas' or 'reference'.
   """
 
   fmt: str = "nvfp4"
@@ -110,6 +135,7 @@ class QuantConfig:
   weights: bool = True
   activations: bool = True
   clip_gradient: bool = False
+  matmul_impl: str = "auto"
 
   def __post_init__(self):
     try:
@@ -119,6 +145,8 @@ class QuantConfig:
     unknown = sorted(set(self.targets) - set(QUANT_TARGETS))
     if unknown:
       _fail("quant.targets", f"unknown targets {unknown}; expected a subset of {QUANT_TARGETS}.")
+    if self.matmul_impl not in MATMUL_IMPLS:
+      _fail("quant.matmul_impl", f"unknown {self.matmul_impl!r}; expected one of {MATMUL_IMPLS}.")
 
   @property
   def format(self) -> fp4.Fp4Format:
@@ -146,35 +174,32 @@ class QuantConfig:
         _fail(f"model.{name}", f"{d} is not a multiple of the {self.fmt} block size {block}; FP4 needs whole blocks.")
 
 
-def _from_mapping(cls, section: Mapping[str, Any] | Any, prefix: str):
-  data = dict(section.to_dict() if hasattr(section, "to_dict") else section)
-  names = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(data) - names)
-  if unknown:
-    _fail(f"{prefix}.{unknown[0]}", f"unknown field; {cls.__name__} has {sorted(names)}.")
-  for key, value in data.items():
-    if isinstance(value, list):
-      data[key] = tuple(value)
-  try:
-    return cls(**data)
-  except TypeError as e:
-    raise ConfigError(f"config.{prefix}: {e}") from None
+@dataclasses.dataclass(frozen=True)
+class TraceConfig:
+  """TRACE: which layers get guidance and in which form.
 
+  guided_fraction: the deepest share of the layers that is guided (0.5 = the second half).
+  diagnostics: the FP4 engine also records full codes in every layer, so that per-layer
+  codeword agreement is measured in every mode (costs rollout memory, not guidance).
+  """
 
-def model_config(section) -> ModelConfig:
-  """ModelConfig from the `model` section of a ConfigDict (or a plain dict)."""
-  return _from_mapping(ModelConfig, section, "model")
+  guided_fraction: float = 0.5
+  guidance_form: str = "mantissa_scale"
+  diagnostics: bool = True
 
-
-def quant_config(section) -> QuantConfig:
-  return _from_mapping(QuantConfig, section, "quant")
+  def __post_init__(self):
+    if not 0 <= self.guided_fraction <= 1:
+      _fail("trace.guided_fraction", f"must lie in [0, 1], got {self.guided_fraction}.")
+    if self.guidance_form not in GUIDANCE_FORMS:
+      _fail("trace.guidance_form", f"unknown form {self.guidance_form!r}; expected one of {GUIDANCE_FORMS}.")
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-  """How the rollout engine samples. temperature 0 = greedy; top_k 0 / top_p 1 = off."""
+  """How the rollout engine samples (the `rollout` section). temperature 0 = greedy; top_k 0 /
+  top_p 1 = off. eos_id / pad_id are the tokenizer's, filled in by RunConfig.from_config."""
 
-  max_new_tokens: int = 16
+  max_new_tokens: int = 8
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
@@ -183,30 +208,28 @@ class SamplingConfig:
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
-      _fail("sampling.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}.")
+      _fail("rollout.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}.")
     if self.temperature < 0:
-      _fail("sampling.temperature", f"must be >= 0 (0 = greedy), got {self.temperature}.")
+      _fail("rollout.temperature", f"must be >= 0 (0 = greedy), got {self.temperature}.")
     if self.top_k < 0:
-      _fail("sampling.top_k", f"must be >= 0 (0 = off), got {self.top_k}.")
+      _fail("rollout.top_k", f"must be >= 0 (0 = off), got {self.top_k}.")
     if not 0 < self.top_p <= 1:
-      _fail("sampling.top_p", f"must lie in (0, 1], got {self.top_p}.")
+      _fail("rollout.top_p", f"must lie in (0, 1], got {self.top_p}.")
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-  """The rollout engine: FP4 or BF16, and what it records for the trainer.
+  """The rollout engine: FP4 or BF16, and what it records for the trainer (derived from the mode).
 
   quant=None: the BF16 engine. guided_layers: layers whose guidance is recorded in
   `guidance_form`. record_codes: also record full codes in every quantized layer
   (per-layer agreement diagnostics; costs memory, not shipped as guidance).
-  matmul_impl: 'auto' (Pallas kernel on GPU, jnp reference elsewhere), 'pallas', 'reference'.
   """
 
   quant: QuantConfig | None = QuantConfig()
   guided_layers: tuple[int, ...] = ()
   guidance_form: str = "mantissa_scale"
   record_codes: bool = False
-  matmul_impl: str = "auto"
   compute_dtype: str = "bfloat16"  # 'float32' for exact parity tests against the trainer
 
   def __post_init__(self):
@@ -214,19 +237,21 @@ class RolloutConfig:
       _fail("rollout.compute_dtype", f"unknown {self.compute_dtype!r}; expected 'bfloat16' or 'float32'.")
     if self.guidance_form not in GUIDANCE_FORMS:
       _fail("rollout.guidance_form", f"unknown form {self.guidance_form!r}; expected one of {GUIDANCE_FORMS}.")
-    if self.matmul_impl not in ("auto", "pallas", "reference"):
-      _fail("rollout.matmul_impl", f"unknown {self.matmul_impl!r}; expected 'auto', 'pallas' or 'reference'.")
     for name in ("guided_layers", "record_codes"):
       if self.quant is None and getattr(self, name):
         _fail(f"rollout.{name}", "a BF16 engine (quant=None) has no FP4 codes to record.")
     if any(i < 0 for i in self.guided_layers):
       _fail("rollout.guided_layers", f"layer indices must be >= 0, got {self.guided_layers}.")
 
+  @property
+  def matmul_impl(self) -> str:
+    return "auto" if self.quant is None else self.quant.matmul_impl
+
 
 def deeper_layers(num_layers: int, fraction: float) -> tuple[int, ...]:
   """The deepest `fraction` of the layers (TRACE's selective depth; 0.5 = the second half)."""
   if not 0 <= fraction <= 1:
-    _fail("guided_fraction", f"must lie in [0, 1], got {fraction}.")
+    _fail("trace.guided_fraction", f"must lie in [0, 1], got {fraction}.")
   n = round(num_layers * fraction)
   return tuple(range(num_layers - n, num_layers))
 
@@ -241,7 +266,7 @@ class GRPOConfig:
   tis_cap: float = 5.0
   kl_coef: float = 0.0
   normalize_std: bool = True
-  routing_replay: bool = True
+  routing_replay: bool = True  # R3
   aux_loss_coef: float = 0.0
   ppo_epochs: int = 1
 
@@ -283,26 +308,22 @@ def resolve_mode(
   guided_fraction: float = 0.5,
   guidance_form: str = "mantissa_scale",
   diagnostics: bool = True,
-  matmul_impl: str = "auto",
 ) -> ModeConfig:
   """bf16 | fp4 | qat | quads | trace | trace_full -> engine and trainer settings.
 
-  diagnostics: the FP4 engine also records full codes in every layer so that per-layer
-  codeword agreement can be measured in every mode (costs rollout memory, not guidance).
+  The keyword arguments are the fields of TraceConfig (see there).
   """
   if mode not in MODES:
     _fail("mode", f"unknown mode {mode!r}; expected one of {MODES}.")
   quant.check_dims(model)
   if mode == "bf16":
-    return ModeConfig(mode, RolloutConfig(quant=None, matmul_impl=matmul_impl), None, False)
+    return ModeConfig(mode, RolloutConfig(quant=None), None, False)
   guided_layers, form = (), guidance_form
   if mode == "trace":
     guided_layers = deeper_layers(model.num_layers, guided_fraction)
   elif mode == "trace_full":
     guided_layers, form = tuple(range(model.num_layers)), "full"
-  rollout = RolloutConfig(
-    quant=quant, guided_layers=guided_layers, guidance_form=form, record_codes=diagnostics, matmul_impl=matmul_impl
-  )
+  rollout = RolloutConfig(quant=quant, guided_layers=guided_layers, guidance_form=form, record_codes=diagnostics)
   trainer = {
     "fp4": dataclasses.replace(quant, targets=()),  # no QAT; the format is kept for measuring
     "quads": dataclasses.replace(quant, targets=("experts",), activations=False),  # W4A16
@@ -314,13 +335,13 @@ def resolve_mode(
 class OptimConfig:
   """AdamW with linear warmup then cosine decay, and global-norm gradient clipping."""
 
-  learning_rate: float = 1e-5
-  warmup_steps: int = 0
+  learning_rate: float = 3e-5
+  warmup_steps: int = 5
   end_lr_fraction: float = 0.1
   weight_decay: float = 0.0
   b1: float = 0.9
-  b2: float = 0.999
-  grad_clip: float = 1.0
+  b2: float = 0.99
+  grad_clip: float = 1.0  # 0 = off
 
   def __post_init__(self):
     if self.learning_rate <= 0:
@@ -331,6 +352,229 @@ class OptimConfig:
       _fail("optim.grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}.")
 
 
-def section(cls, config_section, prefix: str):
-  """A frozen config dataclass from a ConfigDict section, rejecting unknown fields."""
-  return _from_mapping(cls, config_section, prefix)
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+  """Which verifier and how much each part is worth (format_reward=0 turns the bonus off)."""
+
+  verifier: Literal["exact", "numeric"] = "exact"
+  correct_reward: float = 1.0
+  format_reward: float = 0.1
+
+  def __post_init__(self):
+    if self.verifier not in ("exact", "numeric"):
+      _fail("reward.verifier", f"must be 'exact' or 'numeric', got {self.verifier!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """The task. jsonl_train: {"prompt", "answer"} lines instead of the arithmetic task."""
+
+  tokenizer: str = ""  # '' = the task's character tokenizer; or a tokenizer.json path
+  levels: tuple[int, ...] = (1, 2)
+  num_train: int = 20_000
+  num_test: int = 1_000
+  seed: int = 0
+  data_dir: str = ""  # '' = ~/.cache/trace_jax/tensorflow_datasets
+  max_prompt_len: int = 12
+  jsonl_train: str = ""
+  jsonl_test: str = ""  # '' = evaluate on jsonl_train
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  """The supervised warm start, so that RL starts from a policy with partial reward.
+
+  cache_dir: set to share the (deterministic) SFT result between runs, e.g. a sweep's modes.
+  """
+
+  steps: int = 300
+  batch_size: int = 64
+  cache_dir: str = ""
+  optim: OptimConfig = OptimConfig(learning_rate=3e-3, warmup_steps=20, end_lr_fraction=0.05)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """The trainer's and the rollout engine's meshes over (data, fsdp, expert, tensor) (docs/scaling.md).
+
+  -1 takes the remaining devices. rollout_devices=0 puts both roles on every device; n > 0 gives
+  the engine the first n devices and the trainer the rest. moe_impl='ep': the trainer's MoE runs
+  expert parallel over 'expert' (all_to_all with `capacity_factor` per expert; a2a 'auto' =
+  ragged_all_to_all on GPU/TPU, dense buffers on CPU); the engine never drops a token.
+  """
+
+  trainer: Mapping[str, int] = dataclasses.field(default_factory=lambda: dict(data=-1, fsdp=1, expert=1, tensor=1))
+  rollout: Mapping[str, int] = dataclasses.field(default_factory=lambda: dict(data=-1, fsdp=1, expert=1, tensor=1))
+  rollout_devices: int = 0
+  moe_impl: str = "sorted"
+  capacity_factor: float = 2.0
+  a2a: str = "auto"
+
+  def __post_init__(self):
+    if self.moe_impl not in ("sorted", "ep"):
+      _fail("mesh.moe_impl", f"unknown {self.moe_impl!r}; expected 'sorted' or 'ep'.")
+    if self.capacity_factor <= 0:
+      _fail("mesh.capacity_factor", f"must be > 0, got {self.capacity_factor}.")
+    if self.rollout_devices < 0:
+      _fail("mesh.rollout_devices", f"must be >= 0 (0 = colocated), got {self.rollout_devices}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """Several hosts: jax.distributed.initialize. Empty / 0 / -1 fall back to JAX_COORDINATOR_ADDRESS,
+  JAX_NUM_PROCESSES and JAX_PROCESS_ID, and one process needs none of it."""
+
+  coordinator_address: str = ""
+  num_processes: int = 0
+  process_id: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+  """The top-level fields of a run's ConfigDict.
+
+  trainer_dtype: the trainer's matmul inputs (fp32 master weights, fp32 accumulation either way);
+  'float32' makes sharded-vs-single-device comparisons tight.
+  """
+
+  seed: int = 0
+  mode: str = "trace"  # bf16 | fp4 | qat | quads | trace | trace_full
+  steps: int = 60
+  batch_prompts: int = 8  # prompts per step; x rl.num_generations sequences
+  checkpoint_every: int = 10
+  keep_checkpoints: int = 3
+  eval_every: int = 0  # 0: evaluate only at the end
+  eval_prompts: int = 128
+  log_every: int = 1
+  trainer_dtype: str = "bfloat16"
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      _fail("mode", f"unknown mode {self.mode!r}; expected one of {MODES}.")
+    for name in ("steps", "batch_prompts", "checkpoint_every", "eval_prompts"):
+      if getattr(self, name) < 1:
+        _fail(name, f"must be >= 1, got {getattr(self, name)}.")
+    if self.trainer_dtype not in ("bfloat16", "float32"):
+      _fail("trainer_dtype", f"unknown {self.trainer_dtype!r}; expected 'bfloat16' or 'float32'.")
+
+
+# section name -> dataclass; the top-level fields are JobConfig's.
+SECTIONS = {
+  "quant": QuantConfig,
+  "trace": TraceConfig,
+  "rollout": SamplingConfig,
+  "rl": GRPOConfig,
+  "optim": OptimConfig,
+  "reward": RewardConfig,
+  "data": DataConfig,
+  "sft": SFTConfig,
+  "mesh": MeshConfig,
+  "distributed": DistributedConfig,
+}
+_TOKENIZER_FIELDS = ("eos_id", "pad_id")  # SamplingConfig fields that come from the tokenizer
+
+
+def to_config_dict(obj) -> ml_collections.ConfigDict:
+  """A ConfigDict of a config dataclass's fields (nested dataclasses become sections)."""
+  fields = {}
+  for f in dataclasses.fields(obj):
+    value = getattr(obj, f.name)
+    fields[f.name] = to_config_dict(value) if dataclasses.is_dataclass(value) else value
+  return ml_collections.ConfigDict(fields)
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """Every section at its dataclass defaults, and the top-level fields. `model` is left to a preset."""
+  c = to_config_dict(JobConfig())
+  for name, cls in SECTIONS.items():
+    c[name] = to_config_dict(cls())
+  for name in _TOKENIZER_FIELDS:
+    del c.rollout[name]
+  return c
+
+
+def section(cls, config_section: Mapping[str, Any] | Any, prefix: str):
+  """A frozen config dataclass from a ConfigDict section (or a plain dict), rejecting unknown fields.
+
+  Missing fields take the dataclass defaults; nested dataclass fields (sft.optim) are read the same way.
+  """
+  data = dict(config_section.to_dict() if hasattr(config_section, "to_dict") else config_section)
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  unknown = sorted(set(data) - set(fields))
+  if unknown:
+    _fail(f"{prefix}.{unknown[0]}", f"unknown field; {cls.__name__} has {sorted(fields)}.")
+  for key, value in data.items():
+    if isinstance(value, list):
+      data[key] = tuple(value)
+    default = fields[key].default
+    if dataclasses.is_dataclass(default) and isinstance(value, Mapping):
+      data[key] = section(type(default), value, f"{prefix}.{key}")
+  try:
+    return cls(**data)
+  except TypeError as e:
+    raise ConfigError(f"config.{prefix}: {e}") from None
+
+
+def model_config(config_section) -> ModelConfig:
+  """ModelConfig from the `model` section of a ConfigDict (or a plain dict)."""
+  return section(ModelConfig, config_section, "model")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """The validated, frozen view of a run's ConfigDict: one field per section (see the module docstring)."""
+
+  job: JobConfig
+  model: ModelConfig
+  quant: QuantConfig
+  trace: TraceConfig
+  sampling: SamplingConfig
+  grpo: GRPOConfig
+  optim: OptimConfig
+  reward: RewardConfig
+  data: DataConfig
+  sft: SFTConfig
+  mesh: MeshConfig
+  distributed: DistributedConfig
+  mode: ModeConfig
+
+  @classmethod
+  def from_config(cls, cfg: ml_collections.ConfigDict, tokenizer=None) -> RunConfig:
+    """tokenizer: supplies EOS / PAD and the vocabulary the model must cover (None: the defaults)."""
+    top = {k: v for k, v in cfg.items() if k not in SECTIONS and k != "model"}
+    job = section(JobConfig, top, "config")
+    model = model_config(cfg.model)
+    quant = section(QuantConfig, cfg.get("quant", {}), "quant")
+    trace = section(TraceConfig, cfg.get("trace", {}), "trace")
+    run = cls(
+      job=job,
+      model=model,
+      quant=quant,
+      trace=trace,
+      sampling=section(SamplingConfig, cfg.get("rollout", {}), "rollout"),
+      grpo=section(GRPOConfig, cfg.get("rl", {}), "rl"),
+      optim=section(OptimConfig, cfg.get("optim", {}), "optim"),
+      reward=section(RewardConfig, cfg.get("reward", {}), "reward"),
+      data=section(DataConfig, cfg.get("data", {}), "data"),
+      sft=section(SFTConfig, cfg.get("sft", {}), "sft"),
+      mesh=section(MeshConfig, cfg.get("mesh", {}), "mesh"),
+      distributed=section(DistributedConfig, cfg.get("distributed", {}), "distributed"),
+      mode=resolve_mode(job.mode, model, quant, **dataclasses.asdict(trace)),
+    )
+    return run if tokenizer is None else run.with_tokenizer(tokenizer)
+
+  def with_tokenizer(self, tokenizer) -> RunConfig:
+    """EOS / PAD from the tokenizer, whose vocabulary the model's embedding must cover."""
+    if self.model.vocab_size < tokenizer.vocab_size:
+      _fail(
+        "model.vocab_size",
+        f"{self.model.vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size}); raise it.",
+      )
+    sampling = dataclasses.replace(self.sampling, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    return dataclasses.replace(self, sampling=sampling)
+
+  @property
+  def trainer_dtype(self):
+    import jax.numpy as jnp  # noqa: PLC0415 (config stays importable without jax)
+
+    return jnp.dtype(self.job.trainer_dtype)

@@ -13,40 +13,45 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax import attention, moe, qat
-from trace_jax.config import ModelConfig
+from trace_jax.config import KEY, MOE_HIDDEN, MOE_INPUT, VALUE, ModelConfig
 from trace_jax.moe import MLPParams, MoEParams
 from trace_jax.quantizer import Guidance, QuantStats
+from trace_jax.sharding import param_field
 
 
+# Each weight is declared once: its field, with its logical axes (the sharding rules map them to
+# mesh axes) and, in the docstring, its shape. init_params creates it; hf.py names it.
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionParams:
   """q [H, nh, D], k/v [H, nkv, D], o [nh, D, H]; q_norm/k_norm [D] (None without QK-norm)."""
 
-  q: jax.Array
-  k: jax.Array
-  v: jax.Array
-  o: jax.Array
-  q_norm: jax.Array | None = None
-  k_norm: jax.Array | None = None
+  q: jax.Array = param_field("embed", "heads", "head_dim")
+  k: jax.Array = param_field("embed", "kv_heads", "head_dim")
+  v: jax.Array = param_field("embed", "kv_heads", "head_dim")
+  o: jax.Array = param_field("heads", "head_dim", "embed")
+  q_norm: jax.Array | None = param_field("head_dim", default=None)
+  k_norm: jax.Array | None = param_field("head_dim", default=None)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerParams:
-  input_norm: jax.Array
+  """One decoder layer. mlp: MoEParams | MLPParams in the trainer; rollout.EngineMoE | MLPParams in the engine."""
+
+  input_norm: jax.Array = param_field("norm")  # [H]
   attn: AttentionParams
-  post_attn_norm: jax.Array
+  post_attn_norm: jax.Array = param_field("norm")  # [H]
   mlp: MoEParams | MLPParams
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Params:
-  embed: jax.Array  # [V, H]
+  embed: jax.Array = param_field("vocab", "embed")  # [V, H]
   layers: tuple[LayerParams, ...]
-  final_norm: jax.Array  # [H]
-  lm_head: jax.Array | None  # [H, V]; None when tied to embed
+  final_norm: jax.Array = param_field("norm")  # [H]
+  lm_head: jax.Array | None = param_field("embed", "vocab", default=None)  # [H, V]; None when tied to embed
 
 
 @jax.tree_util.register_dataclass
@@ -131,12 +136,12 @@ def attention_block(p: AttentionParams, x, positions, mask, config: ModelConfig,
     k = attention.rms_norm(k, p.k_norm, config.rms_norm_eps)
   cos, sin = attention.rope_tables(positions, config.head_dim, config.rope_theta)
   q, k = attention.apply_rope(q, cos, sin), attention.apply_rope(k, cos, sin)
-  k, k_stats = ctx.guided_activation(k.astype(dt), "kv", guidance.get("key"))
-  v, v_stats = ctx.guided_activation(v.astype(dt), "kv", guidance.get("value"))
+  k, k_stats = ctx.guided_activation(k.astype(dt), "kv", guidance.get(KEY))
+  v, v_stats = ctx.guided_activation(v.astype(dt), "kv", guidance.get(VALUE))
   out = attention.causal_attention(q, k, v, mask, scale=config.head_dim**-0.5, compute_dtype=dt)
   out = ctx.activation(out.astype(dt), "attention")
   out = jnp.einsum("bsnd,ndh->bsh", out.astype(dt), o_w.astype(dt), preferred_element_type=jnp.float32)
-  return out, {"key": k_stats, "value": v_stats}
+  return out, {KEY: k_stats, VALUE: v_stats}
 
 
 def forward(
@@ -177,7 +182,7 @@ def forward(
     h = attention.rms_norm(x, layer.post_attn_norm, config.rms_norm_eps).astype(dt)
     if isinstance(layer.mlp, MoEParams):
       replay = None if replay_ids[i] is None else replay_ids[i].reshape(b * s, -1)
-      g_moe = {k: v for k, v in g.items() if k.startswith("moe_")}
+      g_moe = {k: v for k, v in g.items() if k in (MOE_INPUT, MOE_HIDDEN)}
       out = moe.moe_block(
         layer.mlp,
         h.reshape(b * s, -1),

@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax import qat
-from trace_jax.config import ModelConfig
+from trace_jax.config import MOE_HIDDEN, MOE_INPUT, ModelConfig
 from trace_jax.expert_parallel import ExpertParallel, experts
+from trace_jax.sharding import param_field
 
 
 @jax.tree_util.register_dataclass
@@ -26,9 +27,9 @@ from trace_jax.expert_parallel import ExpertParallel, experts
 class MLPParams:
   """SwiGLU MLP: down(silu(x @ gate) * (x @ up)). Shapes [H, I], [H, I], [I, H]."""
 
-  gate: jax.Array
-  up: jax.Array
-  down: jax.Array
+  gate: jax.Array = param_field("embed", "mlp")
+  up: jax.Array = param_field("embed", "mlp")
+  down: jax.Array = param_field("mlp", "embed")
 
 
 @jax.tree_util.register_dataclass
@@ -36,12 +37,12 @@ class MLPParams:
 class MoEParams:
   """Router [H, E]; routed experts gate/up [E, H, I], down [E, I, H]; optional shared expert."""
 
-  router: jax.Array
-  gate: jax.Array
-  up: jax.Array
-  down: jax.Array
+  router: jax.Array = param_field("embed", None)
+  gate: jax.Array = param_field("experts", "embed", "mlp")
+  up: jax.Array = param_field("experts", "embed", "mlp")
+  down: jax.Array = param_field("experts", "mlp", "embed")
   shared: MLPParams | None = None
-  shared_gate: jax.Array | None = None  # [H, 1], sigmoid gate of the shared expert (Qwen2-MoE)
+  shared_gate: jax.Array | None = param_field("embed", None, default=None)  # [H, 1], sigmoid gate (Qwen2-MoE)
 
 
 @jax.tree_util.register_dataclass
@@ -121,9 +122,9 @@ def moe_block(
   ids, weights = route(router_logits, config, replay_ids)
 
   gate_w, up_w, down_w = (ctx.weight(w, "experts", axis=1) for w in (params.gate, params.up, params.down))
-  xq, stats_in = ctx.guided_activation(x, "experts", guidance.get("moe_input"))
-  stats = {"moe_input": stats_in}
-  g_hidden = guidance.get("moe_hidden")
+  xq, stats_in = ctx.guided_activation(x, "experts", guidance.get(MOE_INPUT))
+  stats = {MOE_INPUT: stats_in}
+  g_hidden = guidance.get(MOE_HIDDEN)
   dropped = None
 
   if impl == "sorted":
@@ -161,7 +162,7 @@ def moe_block(
     s_hidden = jax.tree_util.tree_map(lambda a: a.reshape(t, k), s_hidden)
   else:
     raise ValueError(f"Unknown MoE implementation {impl!r}: expected 'sorted', 'dense' or 'ep'.")
-  stats["moe_hidden"] = s_hidden
+  stats[MOE_HIDDEN] = s_hidden
 
   out = jnp.sum(weights[..., None] * y, axis=1)
   if params.shared is not None:

@@ -8,6 +8,9 @@ FP4 KV cache (packed codes + scales per token and head) and decode attention ove
 cached K/V with its own fp32 softmax. It returns the sampled tokens, their rollout
 log-probs, per-layer top-k expert ids (routing replay) and the compact TRACE guidance,
 laid out by sequence position so the trainer consumes it directly.
+
+This module holds engine numerics only: what it returns (RolloutResult) and how the trainer
+reads it are in experience.py; running it on a mesh, and weight sync across meshes, in cluster.py.
 """
 
 from __future__ import annotations
@@ -19,12 +22,24 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from trace_jax import attention, fp4, qat, sharding
-from trace_jax.config import ConfigError, ModelConfig, QuantConfig, RolloutConfig, SamplingConfig
+from trace_jax import attention, fp4, qat
+from trace_jax.config import (
+  KEY,
+  MOE_HIDDEN,
+  MOE_INPUT,
+  VALUE,
+  ConfigError,
+  ModelConfig,
+  QuantConfig,
+  RolloutConfig,
+  SamplingConfig,
+)
+from trace_jax.experience import RolloutResult
 from trace_jax.expert_parallel import ExpertParallel, experts
-from trace_jax.model import AttentionParams, Params
+from trace_jax.model import LayerParams, Params
 from trace_jax.moe import MLPParams, MoEParams, route
 from trace_jax.quantizer import guidance_from_quantized
+from trace_jax.sharding import param_field
 
 # --- parameters and weight sync -----------------------------------------------------------
 
@@ -37,30 +52,24 @@ class EngineMoE:
   gate/up: [E, I, H] and down: [E, H, I], as fp4.QuantizedArray (FP4 engine) or bf16.
   """
 
-  router: jax.Array
-  gate: fp4.QuantizedArray | jax.Array
-  up: fp4.QuantizedArray | jax.Array
-  down: fp4.QuantizedArray | jax.Array
+  router: jax.Array = param_field("embed", None)
+  gate: fp4.QuantizedArray | jax.Array = param_field("experts", "mlp", "embed")
+  up: fp4.QuantizedArray | jax.Array = param_field("experts", "mlp", "embed")
+  down: fp4.QuantizedArray | jax.Array = param_field("experts", "embed", "mlp")
   shared: MLPParams | None = None
-  shared_gate: jax.Array | None = None
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class EngineLayer:
-  input_norm: jax.Array
-  attn: AttentionParams
-  post_attn_norm: jax.Array
-  mlp: EngineMoE | MLPParams
+  shared_gate: jax.Array | None = param_field("embed", None, default=None)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class EngineParams:
-  embed: jax.Array
-  layers: tuple[EngineLayer, ...]
-  final_norm: jax.Array
-  lm_head: jax.Array  # [H, V]
+  """The engine's weights in bf16, routed experts packed. Layers are model.LayerParams with an
+  EngineMoE (or a dense MLPParams) as their mlp."""
+
+  embed: jax.Array = param_field("vocab", "embed")
+  layers: tuple[LayerParams, ...]
+  final_norm: jax.Array = param_field("norm")
+  lm_head: jax.Array = param_field("embed", "vocab")  # [H, V]
 
 
 def weight_sync(params: Params, quant: QuantConfig | None, dtype=jnp.bfloat16) -> EngineParams:
@@ -73,7 +82,7 @@ def weight_sync(params: Params, quant: QuantConfig | None, dtype=jnp.bfloat16) -
   cast = lambda t: jax.tree_util.tree_map(lambda a: a.astype(dtype), t)
   rtn = qat.QatContext(quant)  # RTN fake-quant, for targets the engine keeps as bf16 values
 
-  def experts(w):  # [E, K, N] (trainer) -> [E, N, K] packed
+  def pack_experts(w):  # [E, K, N] (trainer) -> [E, N, K] packed
     w = jnp.swapaxes(w, 1, 2)
     on = quant is not None and quant.quantizes("experts") and quant.weights
     return fp4.quantize(w, quant.fmt) if on else w.astype(dtype)
@@ -90,11 +99,12 @@ def weight_sync(params: Params, quant: QuantConfig | None, dtype=jnp.bfloat16) -
     if isinstance(layer.mlp, MoEParams):
       m = layer.mlp
       shared = None if m.shared is None else mlp(m.shared, "shared_expert")
-      gates = (experts(m.gate), experts(m.up), experts(m.down))
-      engine_mlp = EngineMoE(cast(m.router), *gates, shared, None if m.shared_gate is None else cast(m.shared_gate))
+      expert_weights = (pack_experts(m.gate), pack_experts(m.up), pack_experts(m.down))
+      shared_gate = None if m.shared_gate is None else cast(m.shared_gate)
+      engine_mlp = EngineMoE(cast(m.router), *expert_weights, shared, shared_gate)
     else:
       engine_mlp = mlp(layer.mlp, "dense_mlp")
-    layers.append(EngineLayer(cast(layer.input_norm), cast(attn), cast(layer.post_attn_norm), engine_mlp))
+    layers.append(LayerParams(cast(layer.input_norm), cast(attn), cast(layer.post_attn_norm), engine_mlp))
   lm_head = params.embed.T if params.lm_head is None else params.lm_head
   return EngineParams(cast(params.embed), tuple(layers), cast(params.final_norm), cast(lm_head))
 
@@ -122,8 +132,8 @@ def grouped_matmul(x: jax.Array, w: fp4.QuantizedArray | jax.Array, group_sizes:
 class KVCache:
   """One layer's cache [B, T, KV, D]: packed FP4 (codes + scales per token and head) or bf16."""
 
-  k: fp4.QuantizedArray | jax.Array
-  v: fp4.QuantizedArray | jax.Array
+  k: fp4.QuantizedArray | jax.Array = param_field("batch", "cache_sequence", "kv_heads", "head_dim")
+  v: fp4.QuantizedArray | jax.Array = param_field("batch", "cache_sequence", "kv_heads", "head_dim")
 
 
 def init_cache(config: ModelConfig, batch: int, length: int, quant: QuantConfig | None, dtype) -> tuple[KVCache, ...]:
@@ -163,7 +173,10 @@ def _load(stored, dtype) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class EngineSettings:
+  """What one engine program is compiled for (static under jit): the model, the engine's
+  numerics and recording, and the expert-parallel layout of its routed experts."""
+
   model: ModelConfig
   rollout: RolloutConfig
   expert_parallel: ExpertParallel | None = None
@@ -194,7 +207,7 @@ def _act(x, quant: QuantConfig | None, target: str):
   return fp4.dequantize(q, x.dtype), q
 
 
-def _attention(p: AttentionParams, x, cache: KVCache, start, positions, slot_mask, st: _Static):
+def _attention(p, x, cache: KVCache, start, positions, slot_mask, st: EngineSettings):
   """Engine attention: write new K/V into the cache at `start`, attend over the whole cache."""
   c, quant, dt = st.model, st.quant, st.dtype
   b, s, _ = x.shape
@@ -236,7 +249,7 @@ def _equal_groups_matmul(x: jax.Array, w: fp4.QuantizedArray | jax.Array):
   return out.reshape(-1, wd.shape[1]).astype(x.dtype)
 
 
-def _experts(weights, xs, group_sizes, st: _Static):
+def _experts(weights, xs, group_sizes, st: EngineSettings):
   """Packed-FP4 SwiGLU experts on rows grouped by expert: (out rows, hidden QuantizedArray rows | None).
 
   group_sizes=None: every expert has the same number of rows (expert parallel's dense exchange).
@@ -251,7 +264,7 @@ def _experts(weights, xs, group_sizes, st: _Static):
   return matmul(hq, down_w), q_hidden
 
 
-def _moe(p: EngineMoE, x, st: _Static, record: bool):
+def _moe(p: EngineMoE, x, st: EngineSettings, record: bool):
   """x [N, H] -> (out [N, H], topk ids [N, k], {name: QuantizedArray rows} if record)."""
   c, quant, dt = st.model, st.quant, st.dtype
   n, k = x.shape[0], c.num_experts_per_tok
@@ -269,15 +282,15 @@ def _moe(p: EngineMoE, x, st: _Static, record: bool):
     if record:
       hidden = dataclasses.replace(q_hidden, codes=q_hidden.codes[inverse], scales=q_hidden.scales[inverse])
   else:  # experts where they live; an engine never drops a token: capacity for the worst case
-    ep = st.expert_parallel
-    n_ep = dict(ep.mesh.shape).get(ep.expert_axis, 1)
-    ep = dataclasses.replace(ep, capacity_factor=max(c.num_experts / k, n_ep))
+    layout = st.expert_parallel
+    n_ep = dict(layout.mesh.shape).get(layout.expert_axis, 1)
+    layout = dataclasses.replace(layout, capacity_factor=max(c.num_experts / k, n_ep))
 
     def ffn(weights, xs, _payload, group_sizes, _replicated):
       out, q = _experts(weights, xs, group_sizes, st)
       return out, ({"codes": q.codes, "scales": q.scales} if record else {})
 
-    y, rows, _ = experts(ep, ffn, (p.gate, p.up, p.down), xq, ids, None)
+    y, rows, _ = experts(layout, ffn, (p.gate, p.up, p.down), xq, ids, None)
     if record:
       hidden = fp4.QuantizedArray(rows["codes"], rows["scales"], None, quant.format)
   out = jnp.sum(weights[..., None] * y.astype(jnp.float32), axis=1).astype(dt)
@@ -288,13 +301,13 @@ def _moe(p: EngineMoE, x, st: _Static, record: bool):
   if record:
     unflatten = lambda a: a.reshape(n, k, *a.shape[1:])
     records = {
-      "moe_input": q_in,
-      "moe_hidden": dataclasses.replace(hidden, codes=unflatten(hidden.codes), scales=unflatten(hidden.scales)),
+      MOE_INPUT: q_in,
+      MOE_HIDDEN: dataclasses.replace(hidden, codes=unflatten(hidden.codes), scales=unflatten(hidden.scales)),
     }
   return out, ids, records
 
 
-def _forward(params: EngineParams, tokens, caches, start, positions, slot_mask, st: _Static):
+def _forward(params: EngineParams, tokens, caches, start, positions, slot_mask, st: EngineSettings):
   """Engine forward of tokens [B, S] at cache slots [start, start + S): logits of the last one."""
   b, s = tokens.shape
   c = st.model
@@ -355,30 +368,7 @@ def sample(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig):
 # --- generate -----------------------------------------------------------------------------
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class RolloutResult:
-  """Everything the trainer needs, by sequence slot t in [0, P + max_new_tokens).
-
-  tokens: prompt (left-padded) then response (pad after EOS). mask: real tokens.
-  response_mask: generated tokens up to and including EOS. logprobs: rollout log-prob of
-  tokens[:, t] (0 outside the response). topk_ids: per layer [B, T, k] expert ids (None for
-  dense layers). guidance: per layer {tensor: Guidance} for the guided layers, in the
-  configured form. codes: per layer {tensor: Guidance('full')} when record_codes is on.
-  Slot T-1 is never fed back through the engine, so its activations are not recorded.
-  """
-
-  tokens: jax.Array
-  mask: jax.Array
-  response_mask: jax.Array
-  logprobs: jax.Array
-  topk_ids: tuple
-  guidance: tuple
-  codes: tuple
-  guidance_bytes_per_token: int = dataclasses.field(metadata=dict(static=True), default=0)
-
-
-def _record_buffers(st: _Static, batch: int, length: int):
+def _record_buffers(st: EngineSettings, batch: int, length: int):
   """Zeroed full-code buffers [B, T, ...] for the recorded MoE tensors of each layer."""
   c, fmt = st.model, st.quant.format if st.quant is not None else None
   buffers = []
@@ -387,8 +377,8 @@ def _record_buffers(st: _Static, batch: int, length: int):
       buffers.append({})
       continue
     rows = {
-      "moe_input": ((batch, length), c.hidden_size),
-      "moe_hidden": ((batch, length, c.num_experts_per_tok), c.moe_intermediate_size),
+      MOE_INPUT: ((batch, length), c.hidden_size),
+      MOE_HIDDEN: ((batch, length, c.num_experts_per_tok), c.moe_intermediate_size),
     }
     buffers.append(
       {
@@ -401,13 +391,13 @@ def _record_buffers(st: _Static, batch: int, length: int):
   return tuple(buffers)
 
 
-def _finish_guidance(st: _Static, buffers, caches):
+def _finish_guidance(st: EngineSettings, buffers, caches):
   """Per-layer guidance in the configured form, and full codes when diagnostics are on."""
   quant, guidance, codes = st.quant, [], []
   for i in range(st.model.num_layers):
     tensors = dict(buffers[i])
     if quant is not None and quant.quantizes("kv") and (st.rollout.record_codes or i in st.rollout.guided_layers):
-      tensors.update(key=caches[i].k, value=caches[i].v)
+      tensors.update({KEY: caches[i].k, VALUE: caches[i].v})
     guided = i in st.rollout.guided_layers
     guidance.append(
       {n: guidance_from_quantized(q, st.rollout.guidance_form) for n, q in tensors.items()} if guided else {}
@@ -445,7 +435,7 @@ def generate(
   (B, P, configs). expert_parallel: the routed experts stay split over its mesh's 'expert'
   axis and the tokens travel to them (never dropped: an engine samples every token).
   """
-  st = _Static(model_config, rollout_config, expert_parallel)
+  st = EngineSettings(model_config, rollout_config, expert_parallel)
   if any(i >= model_config.num_layers for i in rollout_config.guided_layers):
     raise ConfigError(
       f"config.rollout.guided_layers: {rollout_config.guided_layers} names layers beyond num_layers = "
@@ -522,54 +512,6 @@ def generate(
   )
 
 
-# --- on a mesh ----------------------------------------------------------------------------
-
-
-@functools.cache  # one compiled function per mesh pair, like jax.jit's cache
-def make_weight_sync(quant: QuantConfig | None, trainer_mesh, rollout_mesh):
-  """params -> (EngineParams on the rollout mesh, bytes that crossed meshes).
-
-  `weight_sync` runs where the master weights live (the trainer mesh, FP4 experts packed there),
-  then only the engine's weights move: packed FP4 experts (4.5 bits per element) and bf16 rest.
-  """
-  on_trainer = sharding.ShardedJit(
-    functools.partial(weight_sync, quant=quant),
-    in_shardings=lambda params: (sharding.params_shardings(params, trainer_mesh),),
-    out_shardings=lambda params, out_shape: sharding.engine_shardings(out_shape, trainer_mesh),
-  )
-
-  def sync(params):
-    engine = on_trainer(params)
-    return sharding.reshard(engine, sharding.engine_shardings(engine, rollout_mesh))
-
-  return sync
-
-
-def _generate_positional(params, prompts, prompt_mask, rng, seq_ids, **static):
-  return generate(params, prompts, prompt_mask, rng, seq_ids=seq_ids, **static)
-
-
-@functools.cache  # one compiled function per mesh pair, like jax.jit's cache
-def make_generate(mesh) -> sharding.ShardedJit:
-  """`generate` jitted with explicit shardings on the engine's mesh.
-
-  Call as f(params, prompts, prompt_mask, rng, seq_ids_or_None, model_config=..., rollout_config=...,
-  sampling=..., expert_parallel=None). Params follow the logical axis rules (packed experts split over 'expert');
-  prompts and every [B, ...] output (tokens, log-probs, routing, guidance) split over the batch
-  axes; the KV cache follows the batch by propagation.
-  """
-  return sharding.ShardedJit(
-    _generate_positional,
-    in_shardings=lambda params, prompts, prompt_mask, rng, seq_ids: (
-      sharding.engine_shardings(params, mesh),
-      *sharding.batch_shardings((prompts, prompt_mask), mesh),
-      sharding.replicated(mesh),
-      sharding.batch_shardings(seq_ids, mesh),
-    ),
-    out_shardings=lambda *args, out_shape: sharding.batch_shardings(out_shape, mesh),
-  )
-
-
 def decode_step(
   params: EngineParams,
   tokens,
@@ -586,5 +528,5 @@ def decode_step(
 
   Returns (logits of the last token [B, V], caches, per-layer top-k ids, per-layer records).
   """
-  st = _Static(model_config, rollout_config, expert_parallel)
+  st = EngineSettings(model_config, rollout_config, expert_parallel)
   return _forward(params, tokens, caches, start, positions, slot_mask, st)

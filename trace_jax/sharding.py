@@ -1,16 +1,16 @@
 """Logical axis rules, meshes, shardings, resharding between meshes, and multi-host helpers.
 
-Model code names array dimensions with *logical* axes ('batch', 'embed', 'experts', ...);
-`LOGICAL_AXIS_RULES` (the one table, as in MaxText's `logical_axis_rules`) maps them to the
-mesh axes `MESH_AXES`. A mesh axis that is absent, of size 1, already used by another
-dimension of the same array, or that does not divide the dimension is skipped, so the same
-rules serve a 1-device mesh, a tiny test model and a 256-chip pod.
+The lowest layer of the distributed code: it imports nothing from the model or the engine.
+Parameter containers (model.Params, rollout.EngineParams, rollout.KVCache, ...) declare the
+*logical* axes of each array next to its field with `param_field('embed', 'heads', ...)`;
+`logical_axes(tree)` reads those declarations, and `LOGICAL_AXIS_RULES` (the one table, as in
+MaxText's `logical_axis_rules`) maps logical names to the mesh axes `MESH_AXES`. A mesh axis
+that is absent, of size 1, already used by another dimension of the same array, or that does
+not divide the dimension is skipped, so the same rules serve a 1-device mesh, a tiny test model
+and a 256-chip pod. Packed FP4 arrays (fp4.QuantizedArray) take their field's axes with the
+packed last axis ('packed') never split.
 
-Meshes: the trainer and the rollout engine each get their own (`make_meshes`), over the same
-devices with different shapes, or over disjoint devices as a disaggregated deployment runs
-them. Trainer params go to the engine's mesh through `weight_sync` on the trainer mesh
-followed by `reshard` (only packed FP4 experts and bf16 tensors cross); the compact guidance
-comes back the same way. `reshard` reports the bytes that crossed.
+Which role runs on which mesh, and what crosses between them, is cluster.py's business.
 """
 
 from __future__ import annotations
@@ -29,9 +29,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trace_jax import fp4
-from trace_jax.expert_parallel import ExpertParallel
-from trace_jax.model import AttentionParams, LayerParams, Params
-from trace_jax.moe import MLPParams, MoEParams
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
@@ -98,37 +95,6 @@ def make_meshes(trainer: Mapping[str, int], rollout: Mapping[str, int], rollout_
   return make_mesh(trainer, devices[rollout_devices:]), make_mesh(rollout, devices[:rollout_devices])
 
 
-@dataclasses.dataclass(frozen=True)
-class Topology:
-  """The run's devices: the trainer's mesh, the engine's mesh, and the trainer's MoE dispatch."""
-
-  trainer: Mesh
-  rollout: Mesh
-  expert_parallel: ExpertParallel | None = None  # trainer MoE; None: the 'sorted' MoE under GSPMD
-  rollout_expert_parallel: ExpertParallel | None = None  # the engine's routed experts
-
-  @classmethod
-  def from_config(cls, cfg) -> Topology:
-    """From `config.mesh` (see configs/default.py); a config without it runs data parallel."""
-    m = cfg.get("mesh") or {}
-    plain = lambda d: dict(d.to_dict() if hasattr(d, "to_dict") else d)
-    trainer, rollout = make_meshes(
-      plain(m.get("trainer", {"data": -1})), plain(m.get("rollout", {"data": -1})), m.get("rollout_devices", 0)
-    )
-    moe_impl = m.get("moe_impl", "sorted")
-    if moe_impl not in ("sorted", "ep"):
-      raise ValueError(f"config.mesh.moe_impl: unknown {moe_impl!r}; expected 'sorted' or 'ep'.")
-    if moe_impl == "sorted":
-      return cls(trainer, rollout)
-    ep = lambda mesh: ExpertParallel(mesh, capacity_factor=m.get("capacity_factor", 2.0), a2a=m.get("a2a", "auto"))
-    return cls(trainer, rollout, ep(trainer), ep(rollout))
-
-  @classmethod
-  def single_device(cls) -> Topology:
-    mesh = make_mesh({}, jax.local_devices()[:1])
-    return cls(mesh, mesh)
-
-
 # --- logical axes -> shardings ----------------------------------------------------------------
 
 
@@ -151,8 +117,44 @@ def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh) -
   return P(*spec)
 
 
+def param_field(*axes: str | None, **kwargs):
+  """A dataclass field holding an array whose dimensions are named `axes` (logical names).
+
+  Keyword arguments go to dataclasses.field (default=None for optional weights).
+  """
+  return dataclasses.field(metadata={"logical_axes": axes}, **kwargs)
+
+
 def _is_axes(x) -> bool:
   return isinstance(x, P)
+
+
+def logical_axes(tree, axes: tuple | None = None):
+  """A tree mirroring `tree` (dataclasses declared with `param_field`) with P(logical axes) leaves.
+
+  Packed FP4 arrays get their field's axes on codes and scales, the last one 'packed'.
+  """
+  if tree is None:
+    return None
+  if isinstance(tree, fp4.QuantizedArray):
+    packed = P(*axes[:-1], "packed")
+    return dataclasses.replace(
+      tree, codes=packed, scales=packed, tensor_scale=None if tree.tensor_scale is None else P()
+    )
+  if dataclasses.is_dataclass(tree):
+    fields = {}
+    for f in dataclasses.fields(tree):
+      if f.metadata.get("static"):
+        continue
+      fields[f.name] = logical_axes(getattr(tree, f.name), f.metadata.get("logical_axes"))
+    return dataclasses.replace(tree, **fields)
+  if isinstance(tree, tuple | list):
+    return type(tree)(logical_axes(x, axes) for x in tree)
+  if axes is None:
+    raise ValueError(
+      f"An array of shape {getattr(tree, 'shape', '?')} has no logical axes; declare them with param_field."
+    )
+  return P(*axes)
 
 
 def shardings_from_axes(axes_tree, values_tree, mesh) -> object:
@@ -165,84 +167,9 @@ def shardings_from_axes(axes_tree, values_tree, mesh) -> object:
   )
 
 
-def _mlp_axes() -> MLPParams:
-  return MLPParams(gate=P("embed", "mlp"), up=P("embed", "mlp"), down=P("mlp", "embed"))
-
-
-def _attention_axes(a: AttentionParams) -> AttentionParams:
-  norm = lambda x: None if x is None else P("head_dim")
-  return AttentionParams(
-    q=P("embed", "heads", "head_dim"),
-    k=P("embed", "kv_heads", "head_dim"),
-    v=P("embed", "kv_heads", "head_dim"),
-    o=P("heads", "head_dim", "embed"),
-    q_norm=norm(a.q_norm),
-    k_norm=norm(a.k_norm),
-  )
-
-
-def params_logical_axes(params: Params) -> Params:
-  """A Params-shaped tree of P(logical axes): the trainer's parameter layout."""
-
-  def mlp(m):
-    if isinstance(m, MLPParams):
-      return _mlp_axes()
-    return MoEParams(
-      router=P("embed", None),
-      gate=P("experts", "embed", "mlp"),
-      up=P("experts", "embed", "mlp"),
-      down=P("experts", "mlp", "embed"),
-      shared=None if m.shared is None else _mlp_axes(),
-      shared_gate=None if m.shared_gate is None else P("embed", None),
-    )
-
-  layers = tuple(
-    LayerParams(P("norm"), _attention_axes(layer.attn), P("norm"), mlp(layer.mlp)) for layer in params.layers
-  )
-  lm_head = None if params.lm_head is None else P("embed", "vocab")
-  return Params(embed=P("vocab", "embed"), layers=layers, final_norm=P("norm"), lm_head=lm_head)
-
-
-def _packed_axes(w, rows: str, cols: str):
-  """Engine expert weight [E, N, K]: packed FP4 (codes/scales [E, N, K/2 | K/block]) or plain."""
-  if isinstance(w, fp4.QuantizedArray):
-    return dataclasses.replace(
-      w,
-      codes=P("experts", rows, "packed"),
-      scales=P("experts", rows, "packed"),
-      tensor_scale=None if w.tensor_scale is None else P(),
-    )
-  return P("experts", rows, cols)
-
-
-def engine_logical_axes(params):
-  """An EngineParams-shaped tree of P(logical axes): the rollout engine's layout."""
-  from trace_jax.rollout import EngineLayer, EngineMoE, EngineParams  # rollout imports nothing from here
-
-  def mlp(m):
-    if isinstance(m, MLPParams):
-      return _mlp_axes()
-    return EngineMoE(
-      router=P("embed", None),
-      gate=_packed_axes(m.gate, "mlp", "embed"),
-      up=_packed_axes(m.up, "mlp", "embed"),
-      down=_packed_axes(m.down, "embed", "mlp"),
-      shared=None if m.shared is None else _mlp_axes(),
-      shared_gate=None if m.shared_gate is None else P("embed", None),
-    )
-
-  layers = tuple(
-    EngineLayer(P("norm"), _attention_axes(layer.attn), P("norm"), mlp(layer.mlp)) for layer in params.layers
-  )
-  return EngineParams(embed=P("vocab", "embed"), layers=layers, final_norm=P("norm"), lm_head=P("embed", "vocab"))
-
-
-def params_shardings(params: Params, mesh) -> Params:
-  return shardings_from_axes(params_logical_axes(params), params, mesh)
-
-
-def engine_shardings(engine_params, mesh):
-  return shardings_from_axes(engine_logical_axes(engine_params), engine_params, mesh)
+def logical_shardings(tree, mesh) -> object:
+  """NamedShardings on `mesh` for a tree of declared parameter containers (params, engine params, caches)."""
+  return shardings_from_axes(logical_axes(tree), tree, mesh)
 
 
 def opt_state_shardings(optimizer: optax.GradientTransformation, opt_state, param_shardings, mesh):
@@ -269,14 +196,6 @@ def batch_shardings(tree, mesh, *, leading: str = "batch") -> object:
     return NamedSharding(mesh, logical_to_spec((leading,) + (None,) * (ndim - 1), x.shape, mesh) if ndim else P())
 
   return jax.tree_util.tree_map(one, tree)
-
-
-def cache_shardings(caches, mesh):
-  """KV caches [B, T, KV, D] (or packed FP4 [B, T, KV, D/2 | D/block]): batch and kv heads."""
-  axes = ("batch", "cache_sequence", "kv_heads", "packed")
-  return jax.tree_util.tree_map(
-    lambda x: NamedSharding(mesh, logical_to_spec(axes[: x.ndim], x.shape, mesh) if x.ndim else P()), caches
-  )
 
 
 def replicated(mesh) -> NamedSharding:

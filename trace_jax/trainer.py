@@ -1,0 +1,187 @@
+"""The trainer: train state, optimizer, state shardings, and the jitted SFT and GRPO steps.
+
+Each step is a pure function of (state, batch), jitted with the state donated, on one device
+or with explicit shardings on the trainer mesh (parameters by their declared logical axes,
+optimizer moments like their parameters, batches split along the batch axes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from trace_jax import model, qat, rl, sharding
+from trace_jax.config import ModelConfig, OptimConfig, RunConfig
+from trace_jax.experience import TrainBatch, measured_positions
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+  step: jax.Array
+  params: model.Params
+  opt_state: Any
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+  """AdamW with linear warmup then cosine decay to `end_lr_fraction`, after global-norm clipping."""
+  schedule = optax.warmup_cosine_decay_schedule(
+    init_value=0.0 if cfg.warmup_steps else cfg.learning_rate,
+    peak_value=cfg.learning_rate,
+    warmup_steps=cfg.warmup_steps,
+    decay_steps=max(total_steps, cfg.warmup_steps + 1),
+    end_value=cfg.learning_rate * cfg.end_lr_fraction,
+  )
+  chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
+  chain.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+  return optax.chain(*chain)
+
+
+def qat_context(run: RunConfig) -> qat.QatContext:
+  """The trainer's fake-quant for the run's mode, in the run's trainer dtype."""
+  mode = run.mode
+  return qat.QatContext(mode.trainer_quant, mode.guided, run.trainer_dtype, mode.rollout.guided_layers)
+
+
+def _apply(state: TrainState, grads, loss, optimizer) -> tuple[TrainState, jax.Array, jax.Array]:
+  """Optimizer update that keeps the old state when the loss or gradients are not finite."""
+  grad_norm = optax.global_norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
+  new = TrainState(
+    state.step + finite.astype(state.step.dtype), keep(params, state.params), keep(opt_state, state.opt_state)
+  )
+  return new, grad_norm, finite
+
+
+def state_shardings(state: TrainState, optimizer, mesh) -> TrainState:
+  """Where a TrainState (arrays or ShapeDtypeStructs) lives on the trainer mesh: parameters by their
+  declared logical axes, optimizer moments like their parameters, the step replicated."""
+  params = sharding.logical_shardings(state.params, mesh)
+  opt_state = sharding.opt_state_shardings(optimizer, state.opt_state, params, mesh)
+  return TrainState(sharding.replicated(mesh), params, opt_state)
+
+
+def init_state(config: ModelConfig, optimizer, rng: jax.Array, mesh) -> TrainState:
+  """A fresh TrainState created in place on the mesh (no host copy of the full parameters)."""
+
+  def init():
+    params = model.init_params(config, rng)
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+  return jax.jit(init, out_shardings=state_shardings(jax.eval_shape(init), optimizer, mesh))()
+
+
+def fresh_state(params, optimizer, mesh) -> TrainState:
+  """Step 0 and a new optimizer state for `params`, all on the mesh."""
+  init = lambda p: TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p))
+  out = state_shardings(jax.eval_shape(init, params), optimizer, mesh)
+  return jax.jit(init, in_shardings=(out.params,), out_shardings=out)(params)
+
+
+def _sharded_step(step, optimizer, mesh, out_batch: bool) -> sharding.ShardedJit:
+  """step(state, *batch) -> (state, [batch-shaped], metrics) with explicit shardings on `mesh`."""
+  state_sh = lambda state: state_shardings(state, optimizer, mesh)
+
+  def out_shardings(state, *batch, out_shape):
+    logp = (sharding.batch_shardings(out_shape[1], mesh),) if out_batch else ()
+    return (state_sh(state), *logp, sharding.replicated(mesh))  # metrics: replicated scalars
+
+  return sharding.ShardedJit(
+    step,
+    in_shardings=lambda state, *batch: (state_sh(state), *sharding.batch_shardings(batch, mesh)),
+    out_shardings=out_shardings,
+    donate_argnums=0,
+  )
+
+
+def make_sft_step(run: RunConfig, optimizer, *, mesh=None):
+  """Teacher-forced cross-entropy on the answer tokens (the warm start), no QAT.
+
+  mesh: jit with explicit shardings there (state by the axis rules, batch split over the batch axes).
+  """
+  ctx = qat.QatContext(compute_dtype=run.trainer_dtype)
+
+  def loss_fn(params, tokens, mask, loss_mask):
+    logits, _ = model.forward(params, tokens[:, :-1], mask[:, :-1], run.model, ctx=ctx)
+    nll = -model.token_logprobs(logits, tokens[:, 1:])
+    return rl.masked_mean(nll, loss_mask[:, 1:])
+
+  def step(state, tokens, mask, loss_mask):
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, tokens, mask, loss_mask)
+    state, grad_norm, finite = _apply(state, grads, loss, optimizer)
+    return state, {"sft/loss": loss, "sft/grad_norm": grad_norm, "sft/finite": finite}
+
+  if mesh is None:
+    return jax.jit(step, donate_argnums=0)
+  return _sharded_step(step, optimizer, mesh, out_batch=False)
+
+
+def make_reference_logprobs(run: RunConfig):
+  """(reference params, batch) -> log-probs of the targets under the KL anchor, without QAT."""
+  ctx = qat.QatContext(compute_dtype=run.trainer_dtype)
+
+  def ref_logprobs(params, batch: TrainBatch):
+    logits, _ = model.forward(params, batch.inputs, batch.mask, run.model, ctx=ctx)
+    return model.token_logprobs(logits, batch.targets)
+
+  return jax.jit(ref_logprobs)
+
+
+def make_rl_step(run: RunConfig, optimizer, *, mesh=None, expert_parallel=None):
+  """The jitted, donated GRPO step: QAT forward (guided per the mode), loss, update, metrics.
+
+  mesh: jit with explicit in/out shardings on the trainer mesh (a 1-device mesh is the
+  single-device case). expert_parallel: the MoE layers run expert parallel over its mesh
+  (moe_impl='ep'), and the dropped assignments are reported as `moe/dropped_tokens`.
+  """
+  ctx, grpo, config = qat_context(run), run.grpo, run.model
+  moe_impl = "sorted" if expert_parallel is None else "ep"
+
+  def loss_fn(params, batch: TrainBatch, first: bool):
+    logits, aux = model.forward(
+      params,
+      batch.inputs,
+      batch.mask,
+      config,
+      ctx=ctx,
+      guidance=batch.guidance,
+      replay_ids=batch.replay_ids,
+      moe_impl=moe_impl,
+      expert_parallel=expert_parallel,
+      stats_mask=measured_positions(batch),
+    )
+    logp = model.token_logprobs(logits, batch.targets)
+    old = jax.lax.stop_gradient(logp) if first else batch.old_logp
+    loss, metrics = rl.grpo_loss(logp, old, batch.rollout_logp, batch.advantages, batch.loss_mask, grpo, batch.ref_logp)
+    if grpo.aux_loss_coef:
+      loss = loss + grpo.aux_loss_coef * aux.aux_loss
+    metrics["loss/aux_load_balance"] = aux.aux_loss
+    if aux.dropped_tokens is not None:
+      metrics["moe/dropped_tokens"] = aux.dropped_tokens
+    return loss, (logp, aux, metrics)
+
+  def step(state: TrainState, batch: TrainBatch, first: bool):
+    (loss, (logp, aux, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, first)
+    state, grad_norm, finite = _apply(state, grads, loss, optimizer)
+    metrics.update({"loss/total": loss, "grad_norm": grad_norm, "finite": finite})
+    metrics.update(rl.mismatch_metrics(jax.lax.stop_gradient(logp), batch.rollout_logp, batch.loss_mask))
+    for i, layer_stats in enumerate(aux.quant_stats):
+      for name, s in layer_stats.items():
+        metrics[f"agreement/{name}/layer{i}"] = jnp.where(s.total > 0, s.matches / jnp.maximum(s.total, 1), jnp.nan)
+    for i, router_logits in enumerate(aux.router_logits):
+      if router_logits is not None:
+        metrics[f"routing_agreement/layer{i}"] = rl.routing_agreement(
+          router_logits, batch.rollout_ids[i], measured_positions(batch)
+        )
+    return state, jax.lax.stop_gradient(logp), metrics
+
+  if mesh is None:
+    return jax.jit(step, donate_argnums=0, static_argnames="first")
+  return _sharded_step(step, optimizer, mesh, out_batch=True)
