@@ -131,7 +131,7 @@ def check_rl(results: dict) -> None:
   trainer_mesh, rollout_mesh = sharding.make_meshes(
     {"fsdp": 2, "expert": 2}, {"expert": 2, "tensor": 2}, rollout_devices=4
   )
-  eps = ExpertParallel(trainer_mesh, capacity_factor=4.0), ExpertParallel(rollout_mesh)
+  eps = ExpertParallel(trainer_mesh, capacity_factor=4.0), ExpertParallel(rollout_mesh, capacity_factor=1.0)
   topology = cluster.Topology(trainer_mesh, rollout_mesh, *eps)
   res = pipeline(run, topology)
   results["rl"] = dict(

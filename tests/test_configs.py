@@ -1,4 +1,4 @@
-"""Model presets in configs/models.py: importable, loadable by path, valid, and checked."""
+"""Model presets (configs/models.py) and the run config (configs/default.py, trace_jax/config.py): valid and checked."""
 
 import pathlib
 
@@ -9,11 +9,11 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from configs import models
+from configs import default, models
 from trace_jax import model
-from trace_jax.config import ConfigError, QuantConfig, model_config
+from trace_jax.config import SECTIONS, ConfigError, QuantConfig, RunConfig, defaults, model_config
 
-MODELS_FILE = pathlib.Path(models.__file__)
+DEFAULT_FILE = pathlib.Path(default.__file__)
 PRESETS = sorted(models.PRESETS)
 
 
@@ -49,14 +49,30 @@ def test_qwen3_30b_a3b_parameter_count():
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_loadable_by_path_with_overrides(preset):
-  argv = ["prog", f"--model={MODELS_FILE}:{preset}", "--model.num_layers=2", "--model.rope_theta=5e5"]
+def test_the_run_config_picks_a_preset_with_overrides(preset):
+  """--config=configs/default.py:qat,model=PRESET --config.model.num_layers=2 (the flag main defines)."""
+  argv = ["prog", f"--config={DEFAULT_FILE}:qat,model={preset}", "--config.model.num_layers=2"]
   fv = flags.FlagValues()
-  config_flags.DEFINE_config_file("model", None, flag_values=fv, sys_argv=argv)
+  config_flags.DEFINE_config_file("config", None, flag_values=fv, sys_argv=argv)
   fv(argv)
-  c = model_config(fv.model)
-  assert (c.num_layers, c.rope_theta) == (2, 5e5)
-  assert c.hidden_size == models.get_config(preset).hidden_size
+  run = RunConfig.from_config(fv.config)
+  assert run.mode.name == "qat" and run.model.num_layers == 2
+  assert run.model.hidden_size == models.get_config(preset).hidden_size
+
+
+@pytest.mark.parametrize("arg", ["trace,size=big", "trace,bf16", "model=tiny,model=tiny"])
+def test_bad_config_argument_is_named(arg):
+  with pytest.raises(ValueError, match="configs/default.py: cannot read"):
+    default.get_config(arg)
+
+
+def test_config_defaults_live_in_the_dataclasses():
+  """configs/default.py takes every section from the config dataclasses: one place for defaults."""
+  cfg = default.get_config()
+  run = RunConfig.from_config(cfg)
+  for name, cls in SECTIONS.items():
+    assert getattr(run, name if name not in ("rollout", "rl") else {"rollout": "sampling", "rl": "grpo"}[name]) == cls()
+  assert cfg.to_dict() == {**defaults().to_dict(), "model": models.tiny().to_dict()}
 
 
 def test_unknown_preset():

@@ -490,3 +490,18 @@ def test_main_bad_config_exits_2_with_a_message(data_dir, tmp_path):
   assert "error: config.mode: unknown mode 'int8'" in stderr
   assert "Traceback" not in stderr
   assert not workdir.exists()
+
+
+def test_main_selects_a_model_preset(data_dir, tmp_path):
+  """`--config=configs/default.py:MODE,model=PRESET` reaches the run: the 30B preset's 128 experts are
+  named when its top-k is set out of range (refused before any work, so nothing big is built)."""
+  workdir = tmp_path / "run"
+  args = ["--config=configs/default.py:bf16,model=qwen3_30b_a3b", f"--workdir={workdir}"]
+  proc = run_main([*args, "--config.model.num_experts_per_tok=200"])
+  _, stderr = proc.communicate(timeout=300)
+  assert proc.returncode == 2, stderr[-2000:]
+  assert "error: config.model.num_experts_per_tok: top-k = 200 must lie in [1, num_experts = 128]" in stderr
+  assert not workdir.exists()
+  proc = run_main(["--config=configs/default.py:bf16,model=qwen3_235b", f"--workdir={workdir}"])
+  _, stderr = proc.communicate(timeout=300)
+  assert proc.returncode != 0 and "unknown preset 'qwen3_235b'" in stderr, stderr[-2000:]

@@ -37,7 +37,7 @@ class ExpertParallel:
   """How `moe_block(impl='ep')` spreads the experts over a mesh (hashable: a static jit argument)."""
 
   mesh: Mesh | AbstractMesh
-  capacity_factor: float = 2.0
+  capacity_factor: float  # the run's is config.mesh.capacity_factor; the engine raises it so as never to drop
   expert_axis: str = "expert"
   a2a: str = "auto"
 

@@ -19,30 +19,16 @@ vectorized in numpy, and it equals `reward_fn` row by row (tested).
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
+from trace_jax.config import RewardConfig
 from trace_jax.data.tasks import STEP_SEPARATOR, Example, as_example
 from trace_jax.data.tokenizer import CharTokenizer, Tokenizer
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardConfig:
-  """Which verifier and how much each part is worth (format_reward=0 turns the bonus off)."""
-
-  verifier: Literal["exact", "numeric"] = "exact"
-  correct_reward: float = 1.0
-  format_reward: float = 0.1
-
-  def __post_init__(self):
-    if self.verifier not in ("exact", "numeric"):
-      raise ValueError(f"verifier must be 'exact' or 'numeric', got {self.verifier!r}")
-
 
 _STEPS_FORMAT = re.compile(rf"[0-9]+(?:{re.escape(STEP_SEPARATOR)}[0-9]+)?")
 # A number: optional sign (not after a word character or '.', so "5-3" ends in 3, not -3),
