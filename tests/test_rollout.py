@@ -17,8 +17,18 @@ import pytest
 from scipy import stats
 
 from trace_jax import fp4, model, qat, quantizer, rollout
-from trace_jax.config import ConfigError, ModelConfig, QuantConfig, RolloutConfig, SamplingConfig, deeper_layers
-from trace_jax.experience import RolloutResult
+from trace_jax.config import (
+  KEY,
+  MOE_INPUT,
+  VALUE,
+  ConfigError,
+  ModelConfig,
+  QuantConfig,
+  RolloutConfig,
+  SamplingConfig,
+  deeper_layers,
+)
+from trace_jax.experience import RolloutResult, guidance_bytes_per_token
 
 CFG = ModelConfig(
   vocab_size=40,
@@ -238,8 +248,8 @@ def test_routing_replay_reproduces_rollout_experts(fp4_full, fp4_rtn_trainer):
 
 
 def test_compact_guidance_bytes(fp4_full, fp4_compact):
-  full = [rollout.guidance_bytes_per_token(g) for g in fp4_full.guidance]
-  compact = [rollout.guidance_bytes_per_token(g) for g in fp4_compact.guidance]
+  full = [sum(guidance_bytes_per_token([g]).values()) for g in fp4_full.guidance]
+  compact = [sum(guidance_bytes_per_token([g]).values()) for g in fp4_compact.guidance]
   ratios = [c / f for c, f in zip(compact, full)]
   total = fp4_compact.guidance_bytes_per_token / fp4_full.guidance_bytes_per_token
   print(
@@ -291,6 +301,32 @@ def test_compact_guidance_steers_the_deeper_half(params, fp4_full, fp4_compact, 
   rtn_deep = agreement(fp4_rtn_trainer[2], deep)
   assert m_deep / t_deep >= 0.98 and m_deep / t_deep > rtn_deep[0] / rtn_deep[1] + 0.1
   assert mean < rtn_mean
+
+
+def test_guided_tensor_subset(params, fp4_engine, batch, fp4_full, fp4_rtn_trainer, fp4_guided_trainer):
+  """trace.tensors: the engine ships only the chosen tensors, and in the trainer the diagnostic codes
+  of the other tensors are measured, never used for rounding."""
+  subset = dataclasses.replace(FP4_FULL, guided_tensors=(MOE_INPUT,))
+  shapes = jax.eval_shape(lambda p, t, m: gen(p, t, m, jax.random.key(5), subset, SAMPLE), fp4_engine, *batch)
+  assert all(set(layer) == {MOE_INPUT} for layer in shapes.guidance)
+  assert set(guidance_bytes_per_token(shapes.guidance)) == {MOE_INPUT}
+  full_bytes = guidance_bytes_per_token(fp4_full.guidance)
+  assert sum(guidance_bytes_per_token(shapes.guidance).values()) == full_bytes[MOE_INPUT] < sum(full_bytes.values())
+
+  # What the trainer receives in that setting: the shipped tensor's guidance, diagnostic codes for the rest.
+  guidance = tuple(
+    {n: fp4_full.guidance[i][n] if n == MOE_INPUT else c for n, c in fp4_full.codes[i].items()} for i in range(L)
+  )
+  ctx = qat.QatContext(QUANT, guided=True, guided_tensors=(MOE_INPUT,))
+  _, _, aux = trainer(params, fp4_full, ctx, guidance, replay=True)
+  rtn, guided = fp4_rtn_trainer[2].quant_stats, fp4_guided_trainer[2].quant_stats
+  for name in (KEY, VALUE):  # layer 0's K/V come before any guided tensor: RTN exactly
+    assert int(aux.quant_stats[0][name].matches) == int(rtn[0][name].matches), name
+  kv = lambda stats: sum(int(stats[i][n].matches) for i in range(L) for n in (KEY, VALUE))
+  assert kv(aux.quant_stats) < kv(guided)  # K/V codes were not steered by their diagnostic codes
+  share = lambda stats, i: int(stats[i][MOE_INPUT].matches) / int(stats[i][MOE_INPUT].total)
+  # moe_input is steered (short of 100% where unguided K/V moved it by more than one grid step)
+  assert all(share(aux.quant_stats, i) > share(rtn, i) for i in range(L))
 
 
 # --- greedy decoding, EOS, padding, per-sequence RNG --------------------------------------------

@@ -179,12 +179,16 @@ class TraceConfig:
   """TRACE: which layers get guidance and in which form.
 
   guided_fraction: the deepest share of the layers that is guided (0.5 = the second half).
+  tensors: which recorded activations are shipped as guidance (a subset of GUIDED_TENSORS): the
+  routed experts' input (once per token, shared by its k experts), their hidden activation (k rows
+  per token), and K / V as the FP4 cache stores them.
   diagnostics: the FP4 engine also records full codes in every layer, so that per-layer
   codeword agreement is measured in every mode (costs rollout memory, not guidance).
   """
 
   guided_fraction: float = 0.5
   guidance_form: str = "mantissa_scale"
+  tensors: tuple[str, ...] = GUIDED_TENSORS
   diagnostics: bool = True
 
   def __post_init__(self):
@@ -192,6 +196,13 @@ class TraceConfig:
       _fail("trace.guided_fraction", f"must lie in [0, 1], got {self.guided_fraction}.")
     if self.guidance_form not in GUIDANCE_FORMS:
       _fail("trace.guidance_form", f"unknown form {self.guidance_form!r}; expected one of {GUIDANCE_FORMS}.")
+    _check_tensors("trace.tensors", self.tensors)
+
+
+def _check_tensors(field: str, tensors: tuple[str, ...]):
+  unknown = sorted(set(tensors) - set(GUIDED_TENSORS))
+  if unknown or not tensors:
+    _fail(field, f"got {tensors}; expected a non-empty subset of {GUIDED_TENSORS}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,13 +232,14 @@ class SamplingConfig:
 class RolloutConfig:
   """The rollout engine: FP4 or BF16, and what it records for the trainer (derived from the mode).
 
-  quant=None: the BF16 engine. guided_layers: layers whose guidance is recorded in
-  `guidance_form`. record_codes: also record full codes in every quantized layer
+  quant=None: the BF16 engine. guided_layers / guided_tensors: where guidance is recorded, in
+  `guidance_form`. record_codes: also record full codes of every tensor in every quantized layer
   (per-layer agreement diagnostics; costs memory, not shipped as guidance).
   """
 
   quant: QuantConfig | None = QuantConfig()
   guided_layers: tuple[int, ...] = ()
+  guided_tensors: tuple[str, ...] = GUIDED_TENSORS
   guidance_form: str = "mantissa_scale"
   record_codes: bool = False
   compute_dtype: str = "bfloat16"  # 'float32' for exact parity tests against the trainer
@@ -242,6 +254,7 @@ class RolloutConfig:
         _fail(f"rollout.{name}", "a BF16 engine (quant=None) has no FP4 codes to record.")
     if any(i < 0 for i in self.guided_layers):
       _fail("rollout.guided_layers", f"layer indices must be >= 0, got {self.guided_layers}.")
+    _check_tensors("rollout.guided_tensors", self.guided_tensors)
 
   @property
   def matmul_impl(self) -> str:
@@ -307,6 +320,7 @@ def resolve_mode(
   *,
   guided_fraction: float = 0.5,
   guidance_form: str = "mantissa_scale",
+  tensors: tuple[str, ...] = GUIDED_TENSORS,
   diagnostics: bool = True,
 ) -> ModeConfig:
   """bf16 | fp4 | qat | quads | trace | trace_full -> engine and trainer settings.
@@ -321,9 +335,11 @@ def resolve_mode(
   guided_layers, form = (), guidance_form
   if mode == "trace":
     guided_layers = deeper_layers(model.num_layers, guided_fraction)
-  elif mode == "trace_full":
-    guided_layers, form = tuple(range(model.num_layers)), "full"
-  rollout = RolloutConfig(quant=quant, guided_layers=guided_layers, guidance_form=form, record_codes=diagnostics)
+  elif mode == "trace_full":  # the ablation: full codes of every tensor in every layer
+    guided_layers, form, tensors = tuple(range(model.num_layers)), "full", GUIDED_TENSORS
+  rollout = RolloutConfig(
+    quant=quant, guided_layers=guided_layers, guided_tensors=tensors, guidance_form=form, record_codes=diagnostics
+  )
   trainer = {
     "fp4": dataclasses.replace(quant, targets=()),  # no QAT; the format is kept for measuring
     "quads": dataclasses.replace(quant, targets=("experts",), activations=False),  # W4A16

@@ -56,6 +56,19 @@ class TrainBatch:
   rollout_ids: tuple  # per layer [N, T-1, k], for routing agreement
 
 
+def guidance_bytes_per_token(guidance) -> dict[str, int]:
+  """Bytes of guidance one sequence position costs, per tensor name, summed over layers.
+
+  guidance: per layer {tensor: Guidance} with leaves laid out [B, T, ...] (arrays or shapes).
+  """
+  out: dict[str, int] = {}
+  for layer in guidance:
+    for name, g in layer.items():
+      leaves = [x for x in jax.tree_util.tree_leaves(g) if x.ndim >= 2]
+      out[name] = out.get(name, 0) + sum(x.size * x.dtype.itemsize // (x.shape[0] * x.shape[1]) for x in leaves)
+  return out
+
+
 def trainer_guidance(result: RolloutResult) -> tuple[dict[str, Guidance], ...]:
   """The rollout's per-layer guidance in the trainer's layout ([N, T-1, ...]).
 

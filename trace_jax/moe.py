@@ -97,7 +97,7 @@ def _expert_ffn(ctx: qat.QatContext, weights, xs, g_rows, group_sizes):
   gate = _grouped_dot(xs, gate_w.astype(dt), group_sizes)
   up = _grouped_dot(xs, up_w.astype(dt), group_sizes)
   h = (jax.nn.silu(gate) * up).astype(dt)
-  hq, s_hidden = ctx.guided_activation(h, "experts", g_rows)
+  hq, s_hidden = ctx.guided_activation(h, "experts", g_rows, MOE_HIDDEN)
   y = _grouped_dot(hq.astype(dt), down_w.astype(dt), group_sizes)
   return y, s_hidden
 
@@ -122,7 +122,7 @@ def moe_block(
   ids, weights = route(router_logits, config, replay_ids)
 
   gate_w, up_w, down_w = (ctx.weight(w, "experts", axis=1) for w in (params.gate, params.up, params.down))
-  xq, stats_in = ctx.guided_activation(x, "experts", guidance.get(MOE_INPUT))
+  xq, stats_in = ctx.guided_activation(x, "experts", guidance.get(MOE_INPUT), MOE_INPUT)
   stats = {MOE_INPUT: stats_in}
   g_hidden = guidance.get(MOE_HIDDEN)
   dropped = None
@@ -142,7 +142,8 @@ def moe_block(
     up = jnp.einsum("th,ehi->tei", xq.astype(dt), up_w.astype(dt), preferred_element_type=jnp.float32)
     h_all = jax.nn.silu(gate) * up  # [T, E, I]
     h = jnp.einsum("tke,tei->tki", onehot, h_all).astype(dt)  # exact: one-hot picks one expert
-    hq, s_hidden = ctx.guided_activation(h.reshape(t * k, -1), "experts", qat.flatten_rows(g_hidden, t * k))
+    g_rows = qat.flatten_rows(g_hidden, t * k)
+    hq, s_hidden = ctx.guided_activation(h.reshape(t * k, -1), "experts", g_rows, MOE_HIDDEN)
     s_hidden = jax.tree_util.tree_map(lambda a: a.reshape(t, k), s_hidden)
     y_all = jnp.einsum("ti,eih->teh", hq.astype(dt), down_w.astype(dt), preferred_element_type=jnp.float32)
     y = jnp.einsum("tke,tkeh->tkh", onehot, y_all.reshape(t, k, config.num_experts, -1))

@@ -22,14 +22,16 @@ from trace_jax.quantizer import Guidance, QuantStats, fake_quant
 class QatContext:
   """quant=None: plain BF16 trainer. guided=False: guidance (if any) is only measured.
 
-  guided_layers: the layers whose guidance steers rounding when `guided` (None = all);
-  guidance given for other layers is only measured (per-layer agreement diagnostics).
+  guided_layers / guided_tensors: the layers and tensors (config.GUIDED_TENSORS names) whose
+  guidance steers rounding when `guided` (None = all); guidance given for others is only measured
+  (the engine's diagnostic full codes must never steer a tensor that is not shipped as guidance).
   """
 
   quant: QuantConfig | None = None
   guided: bool = False
   compute_dtype: type = jnp.bfloat16
   guided_layers: tuple[int, ...] | None = None
+  guided_tensors: tuple[str, ...] | None = None
 
   def for_layer(self, layer: int) -> QatContext:
     guided = self.guided and (self.guided_layers is None or layer in self.guided_layers)
@@ -50,8 +52,10 @@ class QatContext:
       return x
     return fake_quant(x, self.quant.fmt, clip_gradient=self.quant.clip_gradient)[0]
 
-  def guided_activation(self, x: jax.Array, target: str, guidance: Guidance | None):
+  def guided_activation(self, x: jax.Array, target: str, guidance: Guidance | None, tensor: str):
     """Fake-quant x [..., K] row by row; returns (values, QuantStats with per-row counts [...]).
+
+    tensor: which guided tensor x is (config.GUIDED_TENSORS), for `guided_tensors`.
 
     The 'kv' target ignores the `activations` switch: the FP4 KV cache is its own choice.
     Guidance given for a tensor that this trainer does not fake-quantize (the `fp4` and
@@ -66,7 +70,7 @@ class QatContext:
     n = math.prod(rows)
     g = flatten_rows(guidance, n)
     axes = Guidance(**{k: None if v is None or v.ndim == 0 else 0 for k, v in vars(g).items()})
-    guided = self.guided and enabled
+    guided = self.guided and enabled and (self.guided_tensors is None or tensor in self.guided_tensors)
     one = lambda xr, gr: fake_quant(xr, q.fmt, gr, guided=guided, clip_gradient=q.clip_gradient)
     values, stats = jax.vmap(one, in_axes=(0, axes))(x.reshape(n, x.shape[-1]), g)
     stats = jax.tree_util.tree_map(lambda a: a.reshape(rows), stats)

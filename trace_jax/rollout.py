@@ -34,7 +34,7 @@ from trace_jax.config import (
   RolloutConfig,
   SamplingConfig,
 )
-from trace_jax.experience import RolloutResult
+from trace_jax.experience import RolloutResult, guidance_bytes_per_token
 from trace_jax.expert_parallel import ExpertParallel, experts
 from trace_jax.model import LayerParams, Params
 from trace_jax.moe import MLPParams, MoEParams, route
@@ -398,21 +398,10 @@ def _finish_guidance(st: EngineSettings, buffers, caches):
     tensors = dict(buffers[i])
     if quant is not None and quant.quantizes("kv") and (st.rollout.record_codes or i in st.rollout.guided_layers):
       tensors.update({KEY: caches[i].k, VALUE: caches[i].v})
-    guided = i in st.rollout.guided_layers
-    guidance.append(
-      {n: guidance_from_quantized(q, st.rollout.guidance_form) for n, q in tensors.items()} if guided else {}
-    )
+    guided = {n: q for n, q in tensors.items() if n in st.rollout.guided_tensors and i in st.rollout.guided_layers}
+    guidance.append({n: guidance_from_quantized(q, st.rollout.guidance_form) for n, q in guided.items()})
     codes.append({n: guidance_from_quantized(q, "full") for n, q in tensors.items()} if st.rollout.record_codes else {})
   return tuple(guidance), tuple(codes)
-
-
-def guidance_bytes_per_token(guidance: tuple) -> int:
-  """Bytes of guidance one sequence position costs (leaves are laid out [B, T, ...])."""
-  total = 0
-  for leaf in jax.tree_util.tree_leaves(guidance):
-    if leaf.ndim >= 2:
-      total += leaf.size * leaf.dtype.itemsize // (leaf.shape[0] * leaf.shape[1])
-  return total
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "rollout_config", "sampling", "expert_parallel"))
@@ -508,7 +497,7 @@ def generate(
     topk_ids=topk_buf,
     guidance=guidance,
     codes=codes,
-    guidance_bytes_per_token=guidance_bytes_per_token(guidance),
+    guidance_bytes_per_token=sum(guidance_bytes_per_token(guidance).values()),
   )
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from trace_jax import checkpoint, cluster, data, job, model, rl, rollout, sharding, trainer
+from trace_jax import checkpoint, cluster, data, experience, job, model, rl, rollout, sharding, trainer
 from trace_jax.config import DataConfig, QuantConfig, RunConfig
 from trace_jax.metrics_writer import read_metrics
 
@@ -192,6 +192,10 @@ class RLStep:
         "reward/accuracy": float(np.mean(rewards >= run.reward.correct_reward)),
         "response/length_mean": float(response_mask.sum(1).mean()),
         "guidance/bytes_per_token": float(result.guidance_bytes_per_token),
+        **{
+          f"guidance/bytes_per_token/{name}": float(n)
+          for name, n in experience.guidance_bytes_per_token(result.guidance).items()
+        },
         "transfer/weight_sync_bytes": float(sync_bytes),
         "transfer/rollout_to_trainer_bytes": float(crossed["rollout_to_trainer"]),
         "transfer/guidance_bytes": float(crossed["guidance"]),
