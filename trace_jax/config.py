@@ -172,7 +172,13 @@ def quant_config(section) -> QuantConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-  """How the rollout engine samples. temperature 0 = greedy; top_k 0 / top_p 1 = off."""
+  """How the rollout engine samples. temperature 0 = greedy; top_k 0 / top_p 1 = off.
+
+  vocab_size: the tokenizer's vocabulary; logits of ids >= vocab_size (embedding rows padded
+  beyond it, model.vocab_size > vocab_size) are never sampled. 0: every logit is a token.
+  banned_ids: ids that are never sampled either (PAD, BOS). The trainer's log-probs use the
+  same masked distribution (model.policy_logits).
+  """
 
   max_new_tokens: int = 16
   temperature: float = 1.0
@@ -180,8 +186,23 @@ class SamplingConfig:
   top_p: float = 1.0
   eos_id: int = 2
   pad_id: int = 0
+  vocab_size: int = 0
+  banned_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
+    if self.vocab_size < 0:
+      _fail("sampling.vocab_size", f"must be >= 0 (0 = every logit is a token), got {self.vocab_size}.")
+    if any(i < 0 for i in self.banned_ids):
+      _fail("sampling.banned_ids", f"ids must be >= 0, got {self.banned_ids}.")
+    if self.eos_id in self.banned_ids:
+      _fail("sampling.banned_ids", f"bans EOS ({self.eos_id}); a response could never end.")
+    if self.vocab_size and self.eos_id >= self.vocab_size:
+      _fail(
+        "sampling.eos_id",
+        f"{self.eos_id} lies outside the vocabulary [0, {self.vocab_size}); it could never be sampled.",
+      )
+    if self.vocab_size and len({i for i in self.banned_ids if i < self.vocab_size}) >= self.vocab_size:
+      _fail("sampling.banned_ids", f"{self.banned_ids} bans every id of the vocabulary [0, {self.vocab_size}).")
     if self.max_new_tokens < 1:
       _fail("sampling.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}.")
     if self.temperature < 0:

@@ -22,7 +22,7 @@ import pallas_kernels
 from trace_jax import attention, fp4, qat, sharding
 from trace_jax.config import ConfigError, ModelConfig, QuantConfig, RolloutConfig, SamplingConfig
 from trace_jax.expert_parallel import ExpertParallel, experts
-from trace_jax.model import AttentionParams, Params
+from trace_jax.model import AttentionParams, Params, policy_logits
 from trace_jax.moe import MLPParams, MoEParams, route
 from trace_jax.quantizer import guidance_from_quantized
 
@@ -328,10 +328,12 @@ def _forward(params: EngineParams, tokens, caches, start, positions, slot_mask, 
 def sample(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig):
   """Sample one token per row; returns (tokens [B], log-probs [B]).
 
-  The log-prob is of the temperature-scaled distribution before top-k/top-p truncation
-  (what the trainer recomputes); greedy (temperature 0) reports the temperature-1 log-prob.
+  Ids the policy never samples (padded vocabulary, cfg.banned_ids) are masked first
+  (model.policy_logits), then temperature, top-k and top-p apply. The log-prob is of the masked,
+  temperature-scaled distribution before top-k/top-p truncation (what the trainer recomputes
+  with model.token_logprobs); greedy (temperature 0) reports the temperature-1 log-prob.
   """
-  logits = logits.astype(jnp.float32)
+  logits = policy_logits(logits, cfg)
   if cfg.temperature == 0:
     tokens = jnp.argmax(logits, axis=-1)
     return tokens.astype(jnp.int32), jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], -1)[:, 0]

@@ -108,6 +108,8 @@ class RunConfig:
       top_p=cfg.rollout.top_p,
       eos_id=tokenizer.eos_id,
       pad_id=tokenizer.pad_id,
+      vocab_size=tokenizer.vocab_size,
+      banned_ids=data.never_generated_ids(tokenizer),
     )
     grpo = section(GRPOConfig, cfg.rl, "rl")
     optim = section(OptimConfig, cfg.optim, "optim")
@@ -232,7 +234,7 @@ def make_rl_step(run: RunConfig, optimizer, *, mesh=None, expert_parallel=None):
       expert_parallel=expert_parallel,
       stats_mask=measured_positions(batch),
     )
-    logp = model.token_logprobs(logits, batch.targets)
+    logp = model.token_logprobs(logits, batch.targets, run.sampling)
     old = jax.lax.stop_gradient(logp) if first else batch.old_logp
     loss, metrics = rl.grpo_loss(logp, old, batch.rollout_logp, batch.advantages, batch.loss_mask, grpo, batch.ref_logp)
     if grpo.aux_loss_coef:
@@ -456,7 +458,9 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
   batcher = data.PromptBatcher(train_source, tokenizer, cfg.batch_prompts, cfg.data.max_prompt_len, seed=cfg.seed)
   step_fn = make_rl_step(run, optimizer, mesh=topology.trainer, expert_parallel=topology.expert_parallel)
   sync = rollout.make_weight_sync(run.mode.rollout.quant, topology.trainer, topology.rollout)
-  ref_logp_fn = jax.jit(lambda p, b: model.token_logprobs(model.forward(p, b.inputs, b.mask, run.model)[0], b.targets))
+  ref_logp_fn = jax.jit(
+    lambda p, b: model.token_logprobs(model.forward(p, b.inputs, b.mask, run.model)[0], b.targets, run.sampling)
+  )
   preempted = _Preempted()
   summary: dict = {}
   bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"rl[{run.mode.name}]", disable=not lead)
@@ -578,6 +582,7 @@ def _rl_step(
       "reward/mean": float(rewards.mean()),
       "reward/accuracy": float(np.mean(rewards >= run.reward.correct_reward)),
       "response/length_mean": float(response_mask.sum(1).mean()),
+      "response/invalid_frac": float(np.mean(data.invalid_responses(tokens[:, p:], tokenizer))),
       "guidance/bytes_per_token": float(result.guidance_bytes_per_token),
       "transfer/weight_sync_bytes": float(sync_bytes),
       "transfer/rollout_to_trainer_bytes": float(batch_bytes),

@@ -3,8 +3,8 @@
 Self-contained (no model imports): config -> data -> rollout -> train.
 
   tasks.py         Example, ArithmeticTask (levels 1-4, seed-independent held-out test problems)
-  tokenizer.py     CharTokenizer, HFTokenizer (tokenizer.json), load_tokenizer
-  rewards.py       RewardConfig, reward_fn, batch_rewards, numeric answer extraction
+  tokenizer.py     CharTokenizer, HFTokenizer (tokenizer.json), load_tokenizer, never_generated_ids
+  rewards.py       RewardConfig, reward_fn, batch_rewards, invalid_responses, numeric answer extraction
   tfds_builder.py  TraceArithmetic (array_record, no TensorFlow), build_arithmetic_dataset
   jsonl.py         JsonlSource for {"prompt", "answer"} lines
   batching.py      PromptBatcher (left-padded prompts), SFTBatcher, both deterministic in (seed, step)
@@ -25,6 +25,7 @@ from trace_jax.data.rewards import (
   answer_number,
   batch_rewards,
   extract_last_number,
+  invalid_responses,
   numbers_equal,
   reward_fn,
 )
@@ -36,7 +37,7 @@ from trace_jax.data.tfds_builder import (
   build_arithmetic_dataset,
   default_data_dir,
 )
-from trace_jax.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from trace_jax.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer, never_generated_ids
 
 __all__ = [
   "LEVELS",
@@ -65,8 +66,10 @@ __all__ = [
   "encode_prompts",
   "encode_sft",
   "extract_last_number",
+  "invalid_responses",
   "is_test_problem",
   "load_tokenizer",
+  "never_generated_ids",
   "numbers_equal",
   "reward_fn",
 ]

@@ -123,6 +123,15 @@ class HFTokenizer:
     return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
 
+def never_generated_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+  """Ids a response never holds and the engine must never sample: PAD and BOS (when there is one).
+
+  EOS is excepted: a tokenizer without a PAD pads with EOS, and some use one token for BOS and EOS.
+  """
+  ids = {tokenizer.pad_id, tokenizer.bos_id} - {None, tokenizer.eos_id}
+  return tuple(sorted(ids))
+
+
 def load_tokenizer(spec: str | os.PathLike | None = None, **special_tokens: str | None) -> Tokenizer:
   """None or "char": the arithmetic CharTokenizer; otherwise a tokenizer.json file or a folder holding one."""
   if spec is None or spec == "char":
