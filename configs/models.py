@@ -14,7 +14,7 @@ def tiny() -> ml_collections.ConfigDict:
   """
   return ml_collections.ConfigDict(
     dict(
-      vocab_size=64,
+      vocab_size=64,  # embedding rows, >= the tokenizer's size (read from the tokenizer: 18); extra ids never sampled
       hidden_size=64,
       num_layers=4,
       num_heads=4,

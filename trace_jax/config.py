@@ -208,7 +208,13 @@ def _check_tensors(field: str, tensors: tuple[str, ...]):
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """How the rollout engine samples (the `rollout` section). temperature 0 = greedy; top_k 0 /
-  top_p 1 = off. eos_id / pad_id are the tokenizer's, filled in by RunConfig.from_config."""
+  top_p 1 = off. The rest comes from the tokenizer, filled in by RunConfig.with_tokenizer:
+
+  eos_id / pad_id: the tokenizer's. vocab_size: the tokenizer's vocabulary; logits of ids >=
+  vocab_size (embedding rows padded beyond it, model.vocab_size > vocab_size) are never sampled;
+  0: every logit is a token. banned_ids: ids that are never sampled either (PAD, BOS). The
+  trainer's log-probs use the same masked distribution (model.policy_logits).
+  """
 
   max_new_tokens: int = 8
   temperature: float = 1.0
@@ -216,8 +222,23 @@ class SamplingConfig:
   top_p: float = 1.0
   eos_id: int = 2
   pad_id: int = 0
+  vocab_size: int = 0
+  banned_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
+    if self.vocab_size < 0:
+      _fail("sampling.vocab_size", f"must be >= 0 (0 = every logit is a token), got {self.vocab_size}.")
+    if any(i < 0 for i in self.banned_ids):
+      _fail("sampling.banned_ids", f"ids must be >= 0, got {self.banned_ids}.")
+    if self.eos_id in self.banned_ids:
+      _fail("sampling.banned_ids", f"bans EOS ({self.eos_id}); a response could never end.")
+    if self.vocab_size and self.eos_id >= self.vocab_size:
+      _fail(
+        "sampling.eos_id",
+        f"{self.eos_id} lies outside the vocabulary [0, {self.vocab_size}); it could never be sampled.",
+      )
+    if self.vocab_size and len({i for i in self.banned_ids if i < self.vocab_size}) >= self.vocab_size:
+      _fail("sampling.banned_ids", f"{self.banned_ids} bans every id of the vocabulary [0, {self.vocab_size}).")
     if self.max_new_tokens < 1:
       _fail("rollout.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}.")
     if self.temperature < 0:
@@ -487,7 +508,7 @@ SECTIONS = {
   "mesh": MeshConfig,
   "distributed": DistributedConfig,
 }
-_TOKENIZER_FIELDS = ("eos_id", "pad_id")  # SamplingConfig fields that come from the tokenizer
+_TOKENIZER_FIELDS = ("eos_id", "pad_id", "vocab_size", "banned_ids")  # SamplingConfig fields from the tokenizer
 
 
 def to_config_dict(obj) -> ml_collections.ConfigDict:
@@ -580,14 +601,30 @@ class RunConfig:
     return run if tokenizer is None else run.with_tokenizer(tokenizer)
 
   def with_tokenizer(self, tokenizer) -> RunConfig:
-    """EOS / PAD from the tokenizer, whose vocabulary the model's embedding must cover."""
+    """The sampling fields that come from the tokenizer (EOS, PAD, its vocabulary and the ids never
+    sampled); `model.vocab_size` is the embedding's rows, which must cover the tokenizer's vocabulary."""
     if self.model.vocab_size < tokenizer.vocab_size:
       _fail(
         "model.vocab_size",
         f"{self.model.vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size}); raise it.",
       )
-    sampling = dataclasses.replace(self.sampling, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    sampling = dataclasses.replace(
+      self.sampling,
+      eos_id=tokenizer.eos_id,
+      pad_id=tokenizer.pad_id,
+      vocab_size=tokenizer.vocab_size,
+      banned_ids=never_generated_ids(tokenizer),
+    )
     return dataclasses.replace(self, sampling=sampling)
+
+
+def never_generated_ids(tokenizer) -> tuple[int, ...]:
+  """Ids a response never holds and the engine must never sample: PAD and BOS (when there is one).
+
+  EOS is excepted: a tokenizer without a PAD pads with EOS, and some use one token for BOS and EOS.
+  """
+  ids = {tokenizer.pad_id, tokenizer.bos_id} - {None, tokenizer.eos_id}
+  return tuple(sorted(ids))
 
   @property
   def trainer_dtype(self):

@@ -11,9 +11,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from trace_jax import attention, moe, qat
-from trace_jax.config import KEY, MOE_HIDDEN, MOE_INPUT, VALUE, ModelConfig
+from trace_jax.config import KEY, MOE_HIDDEN, MOE_INPUT, VALUE, ModelConfig, SamplingConfig
 from trace_jax.moe import MLPParams, MoEParams
 from trace_jax.quantizer import Guidance, QuantStats
 from trace_jax.sharding import param_field
@@ -226,7 +227,44 @@ def forward(
   return logits, ForwardAux(tuple(router_logits), tuple(topk_ids), tuple(layer_stats), aux_loss, dropped_tokens)
 
 
-def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """log p(targets) from logits [B, S, V] (float32)."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+def samplable_ids(num_logits: int, sampling: SamplingConfig | None) -> np.ndarray | None:
+  """bool [num_logits]: the ids the policy may sample, or None when it may sample every id.
+
+  A host constant built from the static config (no per-step work): ids below the tokenizer's
+  vocabulary (sampling.vocab_size, 0 = all) that are not in sampling.banned_ids.
+  """
+  if sampling is None:
+    return None
+  allowed = np.ones(num_logits, bool)
+  if sampling.vocab_size:
+    allowed[sampling.vocab_size :] = False
+  allowed[[i for i in sampling.banned_ids if i < num_logits]] = False
+  return None if allowed.all() else allowed
+
+
+def policy_logits(logits: jax.Array, sampling: SamplingConfig | None = None) -> jax.Array:
+  """The logits of the policy that samples, float32 [..., V]: ids it never samples at -inf.
+
+  The one place the engine (rollout.sample) and the trainer (token_logprobs) shape the
+  distribution, so that both compute log-probs of the same policy. sampling None: unmasked.
+  """
+  logits = logits.astype(jnp.float32)
+  allowed = samplable_ids(logits.shape[-1], sampling)
+  return logits if allowed is None else jnp.where(allowed, logits, -jnp.inf)
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array, sampling: SamplingConfig | None = None) -> jax.Array:
+  """log p(targets) from logits [..., V] under the policy that samples (policy_logits), float32.
+
+  Equals log_softmax(policy_logits(logits))[targets] for every id the policy samples. A target it
+  never samples (outside responses: BOS and left pads of prompts, pads after EOS) gets its own logit
+  minus the policy's normalizer, finite rather than -inf, so that masking such positions out by
+  multiplication (and its gradient) stays free of NaN.
+  """
+  logits = logits.astype(jnp.float32)
+  policy = policy_logits(logits, sampling)
+  # log_softmax's own arithmetic, so that unmasked log-probs are bit-identical to it
+  shift = jax.lax.stop_gradient(jnp.max(policy, axis=-1, keepdims=True))
+  log_norm = jnp.log(jnp.sum(jnp.exp(policy - shift), axis=-1, keepdims=True))
+  target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)
+  return ((target_logits - shift) - log_norm)[..., 0]

@@ -36,7 +36,7 @@ from trace_jax.config import (
 )
 from trace_jax.experience import RolloutResult, guidance_bytes_per_token
 from trace_jax.expert_parallel import ExpertParallel, experts
-from trace_jax.model import LayerParams, Params
+from trace_jax.model import LayerParams, Params, policy_logits
 from trace_jax.moe import MLPParams, MoEParams, route
 from trace_jax.quantizer import guidance_from_quantized
 from trace_jax.sharding import param_field
@@ -341,10 +341,12 @@ def _forward(params: EngineParams, tokens, caches, start, positions, slot_mask, 
 def sample(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig):
   """Sample one token per row; returns (tokens [B], log-probs [B]).
 
-  The log-prob is of the temperature-scaled distribution before top-k/top-p truncation
-  (what the trainer recomputes); greedy (temperature 0) reports the temperature-1 log-prob.
+  Ids the policy never samples (padded vocabulary, cfg.banned_ids) are masked first
+  (model.policy_logits), then temperature, top-k and top-p apply. The log-prob is of the masked,
+  temperature-scaled distribution before top-k/top-p truncation (what the trainer recomputes
+  with model.token_logprobs); greedy (temperature 0) reports the temperature-1 log-prob.
   """
-  logits = logits.astype(jnp.float32)
+  logits = policy_logits(logits, cfg)
   if cfg.temperature == 0:
     tokens = jnp.argmax(logits, axis=-1)
     return tokens.astype(jnp.int32), jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], -1)[:, 0]

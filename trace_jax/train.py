@@ -112,7 +112,8 @@ class RLStep:
   """One GRPO step, `state, metrics = rl_step(step, state, prompts)`: what every step reuses.
 
   sync: trainer params -> (engine params on the rollout mesh, bytes). update: trainer.make_rl_step.
-  reward_fn: (answers, response tokens [N, R]) -> rewards [N]. reference: the KL anchor's params.
+  reward_fn: (answers, response tokens [N, R]) -> (rewards [N], whether each response is undecodable [N]).
+  reference: the KL anchor's params.
   """
 
   run: RunConfig
@@ -164,7 +165,7 @@ class RLStep:
     tokens = sharding.to_host(result.tokens)
     t_rollout = time.perf_counter() - t0
 
-    rewards = self.reward_fn(answers, tokens[:, prompts.tokens.shape[1] :])
+    rewards, invalid = self.reward_fn(answers, tokens[:, prompts.tokens.shape[1] :])
     advantages = np.asarray(rl.group_advantages(jnp.asarray(rewards), G, run.grpo.normalize_std))
     batch, crossed = cluster.to_trainer(result, run.grpo.routing_replay, topology.trainer)
     advantages = sharding.host_to_global(advantages, sharding.batch_shardings(advantages, topology.trainer))
@@ -191,6 +192,7 @@ class RLStep:
         "reward/mean": float(rewards.mean()),
         "reward/accuracy": float(np.mean(rewards >= run.reward.correct_reward)),
         "response/length_mean": float(response_mask.sum(1).mean()),
+        "response/invalid_frac": float(np.mean(invalid)),
         "guidance/bytes_per_token": float(result.guidance_bytes_per_token),
         **{
           f"guidance/bytes_per_token/{name}": float(n)
@@ -246,7 +248,9 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
   batcher = data.PromptBatcher(
     train_source, tokenizer, run.job.batch_prompts, run.data.max_prompt_len, seed=run.job.seed
   )
-  reward_fn = lambda answers, responses: data.batch_rewards(answers, responses, tokenizer, run.reward)
+  def reward_fn(answers, responses):  # total: an undecodable response scores 0 and is counted
+    return data.batch_rewards(answers, responses, tokenizer, run.reward), data.invalid_responses(responses, tokenizer)
+
   rl_step = RLStep.build(run, topology, optimizer, reward_fn, rollout_key, reference)
   evaluate_fp4 = lambda params: evaluate(
     params, run, run.mode.rollout.quant, tokenizer, test_source, eval_key, topology

@@ -130,7 +130,7 @@ def make_reference_logprobs(run: RunConfig):
 
   def ref_logprobs(params, batch: TrainBatch):
     logits, _ = model.forward(params, batch.inputs, batch.mask, run.model, ctx=ctx)
-    return model.token_logprobs(logits, batch.targets)
+    return model.token_logprobs(logits, batch.targets, run.sampling)
 
   return jax.jit(ref_logprobs)
 
@@ -158,7 +158,7 @@ def make_rl_step(run: RunConfig, optimizer, *, mesh=None, expert_parallel=None):
       expert_parallel=expert_parallel,
       stats_mask=measured_positions(batch),
     )
-    logp = model.token_logprobs(logits, batch.targets)
+    logp = model.token_logprobs(logits, batch.targets, run.sampling)  # the policy that sampled
     old = jax.lax.stop_gradient(logp) if first else batch.old_logp
     loss, metrics = rl.grpo_loss(logp, old, batch.rollout_logp, batch.advantages, batch.loss_mask, grpo, batch.ref_logp)
     if grpo.aux_loss_coef:

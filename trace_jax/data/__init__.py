@@ -4,7 +4,7 @@ Self-contained (no model imports): config -> data -> rollout -> train.
 
   tasks.py         Example, ArithmeticTask (levels 1-4, seed-independent held-out test problems)
   tokenizer.py     CharTokenizer, HFTokenizer (tokenizer.json), load_tokenizer
-  rewards.py       RewardConfig, reward_fn, batch_rewards, numeric answer extraction
+  rewards.py       RewardConfig, reward_fn, batch_rewards, invalid_responses, numeric answer extraction
   tfds_builder.py  TraceArithmetic (array_record, no TensorFlow), build_arithmetic_dataset
   jsonl.py         JsonlSource for {"prompt", "answer"} lines
   batching.py      PromptBatcher (left-padded prompts), SFTBatcher, both deterministic in (seed, step)
@@ -25,6 +25,7 @@ from trace_jax.data.rewards import (
   answer_number,
   batch_rewards,
   extract_last_number,
+  invalid_responses,
   numbers_equal,
   reward_fn,
 )
@@ -65,6 +66,7 @@ __all__ = [
   "encode_prompts",
   "encode_sft",
   "extract_last_number",
+  "invalid_responses",
   "is_test_problem",
   "load_tokenizer",
   "numbers_equal",

@@ -15,6 +15,10 @@ finished (decoded up to EOS) unless `finished=False`.
 
 `batch_rewards` scores a [N, T] token array; for the CharTokenizer and the exact verifier it is
 vectorized in numpy, and it equals `reward_fn` row by row (tested).
+
+Rewards are total: any token sequence gets one. A response whose content holds an id the
+tokenizer cannot decode (outside [0, tokenizer.vocab_size), `invalid_responses`), or whose decode
+fails, scores 0.
 """
 
 from __future__ import annotations
@@ -82,8 +86,13 @@ def reward_fn(
   else:
     tokenizer = tokenizer or CharTokenizer()
     content, finished = _content(np.asarray(response), tokenizer)
-    # Exact matching sees special tokens (a stray BOS makes the answer wrong); numeric ignores them.
-    text = tokenizer.decode(content, skip_special=config.verifier == "numeric")
+    if not np.all((content >= 0) & (content < tokenizer.vocab_size)):
+      return 0.0
+    try:
+      # Exact matching sees special tokens (a stray BOS makes the answer wrong); numeric ignores them.
+      text = tokenizer.decode(content, skip_special=config.verifier == "numeric")
+    except ValueError:  # a sampled sequence the tokenizer rejects is a wrong answer, not a crash
+      return 0.0
   correct, formatted = _correct_and_formatted(answer, text, config.verifier)
   return config.correct_reward * correct + config.format_reward * (formatted and finished)
 
@@ -98,12 +107,25 @@ def batch_rewards(
   responses = np.asarray(responses)
   if responses.ndim != 2 or responses.shape[0] != len(answers):
     raise ValueError(f"responses must be [N, T] with N = len(answers) = {len(answers)}, got {responses.shape}")
+  invalid = invalid_responses(responses, tokenizer)
   if config.verifier == "exact" and isinstance(tokenizer, CharTokenizer):
-    return _exact_char_rewards(answers, responses, tokenizer, config)
+    return np.where(invalid, 0.0, _exact_char_rewards(answers, responses, tokenizer, config)).astype(np.float32)
   rewards = [
-    reward_fn({"prompt": "", "answer": a}, r, tokenizer=tokenizer, config=config) for a, r in zip(answers, responses)
+    0.0 if bad else reward_fn({"prompt": "", "answer": a}, r, tokenizer=tokenizer, config=config)
+    for a, r, bad in zip(answers, responses, invalid)
   ]
   return np.asarray(rewards, np.float32)
+
+
+def invalid_responses(responses: np.ndarray, tokenizer: Tokenizer) -> np.ndarray:
+  """bool [N]: responses [N, T] whose content (before the first EOS/PAD) holds an id the tokenizer
+  cannot decode, outside [0, tokenizer.vocab_size). They score 0."""
+  responses = np.asarray(responses)
+  stop = (responses == tokenizer.eos_id) | (responses == tokenizer.pad_id)
+  end = np.where(stop.any(1), stop.argmax(1), responses.shape[1])
+  in_content = np.arange(responses.shape[1])[None, :] < end[:, None]
+  undecodable = (responses < 0) | (responses >= tokenizer.vocab_size)
+  return np.any(undecodable & in_content, axis=1)
 
 
 def _exact_char_rewards(
