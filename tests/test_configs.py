@@ -120,3 +120,10 @@ def test_quant_block_must_divide_dims(overrides, fmt, field):
   cfg.update(overrides)
   with pytest.raises(ConfigError, match=rf"config\.{field}\b.*{fmt}"):
     QuantConfig(fmt=fmt).check_dims(model_config(cfg))
+
+
+def test_greedy_rollouts_are_refused_for_rl():
+  cfg = default.get_config()
+  cfg.rollout.temperature = 0.0
+  with pytest.raises(ConfigError, match=r"config\.rollout\.temperature: 0 is greedy"):
+    RunConfig.from_config(cfg)

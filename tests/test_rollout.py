@@ -329,6 +329,23 @@ def test_guided_tensor_subset(params, fp4_engine, batch, fp4_full, fp4_rtn_train
   assert all(share(aux.quant_stats, i) > share(rtn, i) for i in range(L))
 
 
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_trainer_logprobs_follow_the_sampling_temperature(params, batch, top_k):
+  """At temperature 0.7 (with or without top-k truncation) the trainer recomputes the log-probs of the
+  policy that sampled: the BF16 engine-trainer gap stays at its temperature-1 level."""
+  engine = rollout.weight_sync(params, None)
+  gaps = {}
+  for temperature in (1.0, 0.7):
+    sampling = dataclasses.replace(SAMPLE, temperature=temperature, top_k=top_k)
+    res = gen(engine, *batch, jax.random.key(5), BF16_ENGINE, sampling)
+    _, logits, _ = trainer(params, res, TRAIN_BF16)
+    for name, policy in (("tempered", sampling), ("untempered", None)):
+      gaps[temperature, name] = dlogp(model.token_logprobs(logits, res.tokens[:, 1:], policy), res)[0]
+  print(f"\ntop_k={top_k}: BF16 engine vs trainer |dlogp| mean {gaps}")
+  assert gaps[0.7, "tempered"] < 2 * gaps[1.0, "tempered"] + 1e-3
+  assert gaps[0.7, "untempered"] > 10 * gaps[0.7, "tempered"]
+
+
 # --- greedy decoding, EOS, padding, per-sequence RNG --------------------------------------------
 
 

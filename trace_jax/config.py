@@ -598,6 +598,12 @@ class RunConfig:
       distributed=section(DistributedConfig, cfg.get("distributed", {}), "distributed"),
       mode=resolve_mode(job.mode, model, quant, **dataclasses.asdict(trace)),
     )
+    if run.sampling.temperature == 0:
+      _fail(
+        "rollout.temperature",
+        "0 is greedy decoding: every sample of a group would be the same response, and its log-probs those of "
+        "a policy that did not sample it. RL needs sampling: set it > 0 (1.0 samples the model's distribution).",
+      )
     return run if tokenizer is None else run.with_tokenizer(tokenizer)
 
   def with_tokenizer(self, tokenizer) -> RunConfig:

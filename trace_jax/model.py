@@ -242,13 +242,29 @@ def samplable_ids(num_logits: int, sampling: SamplingConfig | None) -> np.ndarra
   return None if allowed.all() else allowed
 
 
+def _tempered(logits: jax.Array, sampling: SamplingConfig | None) -> jax.Array:
+  """float32 logits divided by the sampling temperature (0, greedy, and 1 leave them as they are)."""
+  logits = logits.astype(jnp.float32)
+  if sampling is None or sampling.temperature in (0.0, 1.0):
+    return logits
+  return logits / sampling.temperature
+
+
 def policy_logits(logits: jax.Array, sampling: SamplingConfig | None = None) -> jax.Array:
-  """The logits of the policy that samples, float32 [..., V]: ids it never samples at -inf.
+  """The logits of the policy that samples, float32 [..., V]: divided by the temperature, and the
+  ids it never samples at -inf.
 
   The one place the engine (rollout.sample) and the trainer (token_logprobs) shape the
-  distribution, so that both compute log-probs of the same policy. sampling None: unmasked.
+  distribution, so that both compute log-probs of the same policy. sampling None: the model's own
+  distribution (temperature 1, unmasked). Top-k / top-p truncation is the engine's alone: it
+  samples from the truncated distribution but records the log-prob before truncation, as vLLM and
+  SGLang report it, so the trainer recomputes exactly what was recorded and the mismatch metrics
+  hold no truncation artefact (the truncation itself is not importance-corrected).
   """
-  logits = logits.astype(jnp.float32)
+  return _masked(_tempered(logits, sampling), sampling)
+
+
+def _masked(logits: jax.Array, sampling: SamplingConfig | None) -> jax.Array:
   allowed = samplable_ids(logits.shape[-1], sampling)
   return logits if allowed is None else jnp.where(allowed, logits, -jnp.inf)
 
@@ -261,8 +277,8 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, sampling: SamplingConf
   minus the policy's normalizer, finite rather than -inf, so that masking such positions out by
   multiplication (and its gradient) stays free of NaN.
   """
-  logits = logits.astype(jnp.float32)
-  policy = policy_logits(logits, sampling)
+  logits = _tempered(logits, sampling)
+  policy = _masked(logits, sampling)
   # log_softmax's own arithmetic, so that unmasked log-probs are bit-identical to it
   shift = jax.lax.stop_gradient(jnp.max(policy, axis=-1, keepdims=True))
   log_norm = jnp.log(jnp.sum(jnp.exp(policy - shift), axis=-1, keepdims=True))

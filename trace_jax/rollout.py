@@ -341,16 +341,15 @@ def _forward(params: EngineParams, tokens, caches, start, positions, slot_mask, 
 def sample(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig):
   """Sample one token per row; returns (tokens [B], log-probs [B]).
 
-  Ids the policy never samples (padded vocabulary, cfg.banned_ids) are masked first
-  (model.policy_logits), then temperature, top-k and top-p apply. The log-prob is of the masked,
-  temperature-scaled distribution before top-k/top-p truncation (what the trainer recomputes
-  with model.token_logprobs); greedy (temperature 0) reports the temperature-1 log-prob.
+  The policy's logits (model.policy_logits: temperature, and the ids it never samples masked, as
+  the trainer computes them), then top-k and top-p truncation. The log-prob is of the policy
+  before truncation (what the trainer recomputes with model.token_logprobs); greedy
+  (temperature 0) reports the temperature-1 log-prob.
   """
-  logits = policy_logits(logits, cfg)
+  scaled = policy_logits(logits, cfg)
   if cfg.temperature == 0:
-    tokens = jnp.argmax(logits, axis=-1)
-    return tokens.astype(jnp.int32), jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], -1)[:, 0]
-  scaled = logits / cfg.temperature
+    tokens = jnp.argmax(scaled, axis=-1)
+    return tokens.astype(jnp.int32), jnp.take_along_axis(jax.nn.log_softmax(scaled), tokens[:, None], -1)[:, 0]
   logp = jax.nn.log_softmax(scaled)
   filtered = scaled
   if cfg.top_k:
