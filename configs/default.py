@@ -5,7 +5,7 @@
   python -m trace_jax.main --config=configs/default.py:trace,model=qwen3_30b_a3b --workdir=...
 
 The argument after ':' is a comma-separated list: a bare word picks the mode (bf16, fp4, qat,
-quads, trace, trace_full) and `model=NAME` a preset of configs/models.py. Every field and its
+qat_w4a16, trace, trace_full) and `model=NAME` a preset of configs/models.py. Every field and its
 default is declared once, in the config dataclasses of trace_jax/config.py (their docstrings say
 what each means); this file only picks the model.
 """

@@ -19,11 +19,12 @@ from absl import app, flags
 
 from configs import default
 from experiments import plotting, sweep
+from trace_jax.config import MODES
 
 _ROOT = flags.DEFINE_string("root", "/tmp/trace_modes", "Where the runs and the full table go.")
 _OUT = flags.DEFINE_string("out", None, "Where the markdown tables and PNG figures go (default: --root).")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds per mode.")
-_MODES = flags.DEFINE_list("modes", ["bf16", "fp4", "qat", "quads", "trace", "trace_full"], "Modes to compare.")
+_MODES = flags.DEFINE_list("modes", list(MODES), "Modes to compare.")
 _STEPS = flags.DEFINE_integer("steps", None, "RL steps per run (default: the config's).")
 _EVAL_PROMPTS = flags.DEFINE_integer("eval_prompts", 512, "Test prompts for the final greedy accuracy.")
 _PROCESSES = flags.DEFINE_bool("processes", False, "Run each mode in its own process.")
@@ -58,7 +59,7 @@ def compare(
   root: str,
   out: str | None = None,
   seeds=(0, 1, 2),
-  modes=("bf16", "fp4", "qat", "quads", "trace", "trace_full"),
+  modes=MODES,
   processes: bool = False,
 ) -> list[dict]:
   """Run (or read back) every mode x seed of `base`; write the tables and figures; return the rows."""

@@ -25,7 +25,7 @@ MODE_COLORS = {
   "bf16": "#444444",
   "fp4": "#d62728",
   "qat": "#ff7f0e",
-  "quads": "#9467bd",
+  "qat_w4a16": "#9467bd",
   "trace": "#1f77b4",
   "trace_full": "#2ca02c",
 }

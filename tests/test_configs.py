@@ -127,3 +127,9 @@ def test_greedy_rollouts_are_refused_for_rl():
   cfg.rollout.temperature = 0.0
   with pytest.raises(ConfigError, match=r"config\.rollout\.temperature: 0 is greedy"):
     RunConfig.from_config(cfg)
+
+
+def test_the_renamed_quads_mode_says_what_it_is():
+  cfg = default.get_config("quads")
+  with pytest.raises(ConfigError, match=r"config\.mode: 'quads' is now 'qat_w4a16'.*rollout-side"):
+    RunConfig.from_config(cfg)

@@ -235,19 +235,19 @@ def test_every_mode_resolves_to_its_engine_and_trainer(data_dir):
   cfg = tiny_config(data_dir)
   tokenizer, _, _ = train.load_data(RunConfig.from_config(cfg).data)
   runs = {mode: RunConfig.from_config(tiny_config(data_dir, mode), tokenizer).mode for mode in MODES}
-  assert set(runs) == {"bf16", "fp4", "qat", "quads", "trace", "trace_full"}
+  assert set(runs) == {"bf16", "fp4", "qat", "qat_w4a16", "trace", "trace_full"}
   quant = runs["qat"].trainer_quant
   assert quant.targets == ("experts", "kv") and quant.weights and quant.activations
   # BF16 engine and trainer.
   assert runs["bf16"].rollout.quant is None and runs["bf16"].trainer_quant is None
-  for mode in ("fp4", "qat", "quads", "trace", "trace_full"):
+  for mode in ("fp4", "qat", "qat_w4a16", "trace", "trace_full"):
     assert runs[mode].rollout.quant == quant, mode  # FP4 W4A4 experts + FP4 KV cache
     assert runs[mode].rollout.record_codes, mode  # per-layer agreement diagnostics
-  # fp4: a plain BF16 trainer (no fake-quant); qat: RTN everywhere; quads: weight-only experts.
+  # fp4: a plain BF16 trainer (no fake-quant); qat: RTN everywhere; qat_w4a16: weight-only experts.
   assert runs["fp4"].trainer_quant.targets == () and not runs["fp4"].guided
   assert not runs["qat"].guided and runs["qat"].rollout.guided_layers == ()
-  assert runs["quads"].trainer_quant.targets == ("experts",)
-  assert runs["quads"].trainer_quant.weights and not runs["quads"].trainer_quant.activations
+  assert runs["qat_w4a16"].trainer_quant.targets == ("experts",)
+  assert runs["qat_w4a16"].trainer_quant.weights and not runs["qat_w4a16"].trainer_quant.activations
   # trace: guided by mantissa + scale in the deeper half; trace_full: full codes everywhere.
   assert runs["trace"].guided and runs["trace"].trainer_quant == quant
   assert runs["trace"].rollout.guided_layers == (1,) and runs["trace"].rollout.guidance_form == "mantissa_scale"
@@ -273,9 +273,9 @@ def test_mode_runs_an_rl_step(mode, data_dir, tmp_path, no_eval):
     assert all(0 <= row[k] <= 1 for k in SPEC_KEYS if k.startswith("agreement/"))
 
 
-@pytest.mark.parametrize("mode", ["qat", "quads", "trace_full"])
+@pytest.mark.parametrize("mode", ["qat", "qat_w4a16", "trace_full"])
 def test_other_modes_trace_an_rl_step(mode, data_dir):
-  """qat, quads and trace_full differ from trace only in static settings, so tracing their whole
+  """qat, qat_w4a16 and trace_full differ from trace only in static settings, so tracing their whole
   RL step (weight sync, FP4 rollout, trainer batch, GRPO update) with jax.eval_shape checks them
   without paying three more compilations."""
   cfg = tiny_config(data_dir, mode)

@@ -125,7 +125,7 @@ class QuantConfig:
 
   targets: subset of QUANT_TARGETS. `experts` = routed-expert matmuls (weights and, when
   `activations`, their inputs); `kv` = K/V as stored in the KV cache.
-  weights / activations: W4 and A4 switches (quads = weights only).
+  weights / activations: W4 and A4 switches (qat_w4a16 = weights only).
   matmul_impl: how the engine's packed FP4 matmuls run: 'auto' (the Pallas kernel on GPU, its
   jnp reference elsewhere), 'pallas' or 'reference'.
   """
@@ -317,7 +317,18 @@ class GRPOConfig:
       _fail("rl.ppo_epochs", f"must be >= 1, got {self.ppo_epochs}.")
 
 
-MODES = ("bf16", "fp4", "qat", "quads", "trace", "trace_full")
+MODES = ("bf16", "fp4", "qat", "qat_w4a16", "trace", "trace_full")
+
+
+def _check_mode(mode: str):
+  if mode == "quads":
+    _fail(
+      "mode",
+      "'quads' is now 'qat_w4a16': weight-only QAT on the trainer, the trainer side of QUADS only. QUADS's "
+      "rollout-side residual activation compensation is not implemented (its exact formula was not available).",
+    )
+  if mode not in MODES:
+    _fail("mode", f"unknown mode {mode!r}; expected one of {MODES}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,12 +355,11 @@ def resolve_mode(
   tensors: tuple[str, ...] = GUIDED_TENSORS,
   diagnostics: bool = True,
 ) -> ModeConfig:
-  """bf16 | fp4 | qat | quads | trace | trace_full -> engine and trainer settings.
+  """bf16 | fp4 | qat | qat_w4a16 | trace | trace_full -> engine and trainer settings.
 
   The keyword arguments are the fields of TraceConfig (see there).
   """
-  if mode not in MODES:
-    _fail("mode", f"unknown mode {mode!r}; expected one of {MODES}.")
+  _check_mode(mode)
   quant.check_dims(model)
   if mode == "bf16":
     return ModeConfig(mode, RolloutConfig(quant=None), None, False)
@@ -363,7 +373,7 @@ def resolve_mode(
   )
   trainer = {
     "fp4": dataclasses.replace(quant, targets=()),  # no QAT; the format is kept for measuring
-    "quads": dataclasses.replace(quant, targets=("experts",), activations=False),  # W4A16
+    "qat_w4a16": dataclasses.replace(quant, targets=("experts",), activations=False),  # W4A16
   }.get(mode, quant)
   return ModeConfig(mode, rollout, trainer, mode in ("trace", "trace_full"))
 
@@ -475,7 +485,7 @@ class JobConfig:
   """
 
   seed: int = 0
-  mode: str = "trace"  # bf16 | fp4 | qat | quads | trace | trace_full
+  mode: str = "trace"  # bf16 | fp4 | qat | qat_w4a16 | trace | trace_full
   steps: int = 60
   batch_prompts: int = 8  # prompts per step; x rl.num_generations sequences
   checkpoint_every: int = 10
@@ -486,8 +496,7 @@ class JobConfig:
   trainer_dtype: str = "bfloat16"
 
   def __post_init__(self):
-    if self.mode not in MODES:
-      _fail("mode", f"unknown mode {self.mode!r}; expected one of {MODES}.")
+    _check_mode(self.mode)
     for name in ("steps", "batch_prompts", "checkpoint_every", "eval_prompts"):
       if getattr(self, name) < 1:
         _fail(name, f"must be >= 1, got {getattr(self, name)}.")

@@ -59,7 +59,7 @@ class QatContext:
 
     The 'kv' target ignores the `activations` switch: the FP4 KV cache is its own choice.
     Guidance given for a tensor that this trainer does not fake-quantize (the `fp4` and
-    `quads` modes) is only measured: x comes back unchanged, with its agreement counts.
+    `qat_w4a16` modes) is only measured: x comes back unchanged, with its agreement counts.
     """
     rows = x.shape[:-1]
     zeros = QuantStats(jnp.zeros(rows, jnp.int32), jnp.zeros(rows, jnp.int32))
