@@ -54,7 +54,16 @@ import jax.numpy as jnp  # noqa: E402
 from configs import models  # noqa: E402
 from trace_jax import config as config_lib  # noqa: E402
 from trace_jax import experience, model, rollout, sharding, trainer  # noqa: E402
-from trace_jax.config import ModelConfig, RunConfig, model_config  # noqa: E402
+from trace_jax.config import (  # noqa: E402
+  GUIDED_TENSORS,
+  KEY,
+  MOE_HIDDEN,
+  MOE_INPUT,
+  VALUE,
+  ModelConfig,
+  RunConfig,
+  model_config,
+)
 from trace_jax.expert_parallel import ExpertParallel  # noqa: E402
 
 
@@ -87,14 +96,46 @@ def _report(compiled, seconds: float) -> dict:
   }
 
 
-def run_config(config: ModelConfig, new_tokens: int) -> RunConfig:
-  """The trace mode at the defaults, 16 samples per prompt, without diagnostic codes."""
+def run_config(config: ModelConfig, new_tokens: int, mode: str = "trace", **trace) -> RunConfig:
+  """The mode at the defaults, 16 samples per prompt, without diagnostic codes; `trace` overrides."""
   cfg = config_lib.defaults()
+  cfg.mode = mode
   cfg.model = config_lib.to_config_dict(config)
   cfg.rollout.max_new_tokens = new_tokens
   cfg.rl.num_generations = 16
-  cfg.trace.diagnostics = False
+  cfg.trace.update(diagnostics=False, **trace)
   return RunConfig.from_config(cfg)
+
+
+# Guidance settings whose bytes per token are reported: the guided tensor set (trace.tensors) in
+# the default form and depth (mantissa + block scales, deeper half), and trace_full.
+GUIDANCE_SETTINGS = {
+  "moe_input (the paper's accounting)": ("trace", {"tensors": (MOE_INPUT,)}),
+  "moe_input + key/value": ("trace", {"tensors": (MOE_INPUT, KEY, VALUE)}),
+  "moe_input + moe_hidden": ("trace", {"tensors": (MOE_INPUT, MOE_HIDDEN)}),
+  "all four": ("trace", {"tensors": GUIDED_TENSORS}),
+  "trace_full: full codes, all four, every layer": ("trace_full", {}),
+}
+
+
+def guidance_bytes(config: ModelConfig) -> dict:
+  """Guidance bytes per token, per tensor, of each GUIDANCE_SETTINGS entry (from the engine's output shapes)."""
+  out = {}
+  for name, (mode, trace) in GUIDANCE_SETTINGS.items():
+    run = run_config(config, 1, mode, **trace)
+    params = jax.eval_shape(lambda run=run: model.init_params(run.model, jax.random.key(0)))
+    engine = jax.eval_shape(lambda p, run=run: rollout.weight_sync(p, run.mode.rollout.quant), params)
+    prompt = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    result = jax.eval_shape(
+      lambda e, t, run=run: rollout.generate(
+        e, t, t, jax.random.key(0), model_config=run.model, rollout_config=run.mode.rollout, sampling=run.sampling
+      ),
+      engine,
+      prompt,
+    )
+    per_tensor = experience.guidance_bytes_per_token(result.guidance)
+    out[name] = {"total": sum(per_tensor.values()), **per_tensor}
+  return out
 
 
 def compile_train_step(run: RunConfig, mesh, ep: ExpertParallel | None, batch: int, seq: int) -> dict:
@@ -241,6 +282,10 @@ def main(args) -> dict:
     print(json.dumps(report), flush=True)
     reports.append(report)
   summary = {"model": "Qwen3-30B-A3B", "full_layers": full.num_layers, "compiled": reports}
+  summary["guidance_bytes_per_token"] = guidance_bytes(full)
+  print("guidance bytes per token (Qwen3-30B-A3B, mantissa + scale in the deeper half unless noted):")
+  for name, row in summary["guidance_bytes_per_token"].items():
+    print(f"  {name:48s} {row['total']:>7,d} B  " + ", ".join(f"{k} {v:,d}" for k, v in row.items() if k != "total"))
   if len(reports) > 1 and all(r["num_layers"] != full.num_layers for r in reports):
     summary[f"extrapolated_to_{full.num_layers}_layers"] = extrapolate(reports, full.num_layers)
   print(json.dumps(summary, indent=2))

@@ -53,7 +53,8 @@ def configure(base: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> 
 
 def run_name(overrides: Mapping[str, Any]) -> str:
   """The workdir name of a grid point under a sweep's root, e.g. 'mode=trace,rl.tis_cap=0.0' ('base' for {})."""
-  parts = [f"{k}={v}" for k, v in overrides.items()]
+  show = lambda v: "+".join(map(str, v)) if isinstance(v, tuple | list) else str(v)  # tensors=a+b
+  parts = [f"{k}={show(v)}" for k, v in overrides.items()]
   return ",".join(parts).replace("/", "_").replace(" ", "") or "base"
 
 

@@ -133,3 +133,16 @@ def test_the_renamed_quads_mode_says_what_it_is():
   cfg = default.get_config("quads")
   with pytest.raises(ConfigError, match=r"config\.mode: 'quads' is now 'qat_w4a16'.*rollout-side"):
     RunConfig.from_config(cfg)
+
+
+def test_guidance_bytes_per_tensor_set_from_the_engine_shapes():
+  """experiments/aot_compile.py's accounting, on a 2-layer Qwen3-30B-A3B (one guided layer): per token
+  and guided layer, NVFP4 mantissa + scale costs 1.5 bits per element of each shipped tensor."""
+  from experiments import aot_compile
+
+  table = aot_compile.guidance_bytes(aot_compile.scaled_config(num_layers=2))
+  h, k, inter, kv = 2048, 8, 768, 4 * 128
+  bits = lambda elements: elements * 3 // 16  # 1.5 bits
+  assert table["moe_input (the paper's accounting)"] == {"total": bits(h), "moe_input": bits(h)}
+  assert table["all four"]["total"] == bits(h) + bits(k * inter) + 2 * bits(kv)
+  assert table["trace_full: full codes, all four, every layer"]["total"] == 2 * 3 * table["all four"]["total"]

@@ -292,6 +292,9 @@ def test_notebook_ablations(overrides, tmp_path, kernel_env):
       "trace.guidance_form=full",
       "rl.tis_cap=0.0",
       "rl.routing_replay=False",
+      "trace.tensors=moe_input",
+      "trace.tensors=moe_input+key+value",
+      "trace.tensors=moe_input+moe_hidden",
     ]
   )
   with open(root / "table.json") as f:
