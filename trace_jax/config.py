@@ -632,6 +632,12 @@ class RunConfig:
     )
     return dataclasses.replace(self, sampling=sampling)
 
+  @property
+  def trainer_dtype(self):
+    import jax.numpy as jnp  # noqa: PLC0415 (config stays importable without jax)
+
+    return jnp.dtype(self.job.trainer_dtype)
+
 
 def never_generated_ids(tokenizer) -> tuple[int, ...]:
   """Ids a response never holds and the engine must never sample: PAD and BOS (when there is one).
@@ -640,9 +646,3 @@ def never_generated_ids(tokenizer) -> tuple[int, ...]:
   """
   ids = {tokenizer.pad_id, tokenizer.bos_id} - {None, tokenizer.eos_id}
   return tuple(sorted(ids))
-
-  @property
-  def trainer_dtype(self):
-    import jax.numpy as jnp  # noqa: PLC0415 (config stays importable without jax)
-
-    return jnp.dtype(self.job.trainer_dtype)
