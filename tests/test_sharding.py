@@ -30,22 +30,13 @@ from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 from configs import default, models
+from tests.tiny import tiny_model
 from trace_jax import model, moe, qat, rollout, sharding
-from trace_jax.config import ModelConfig, QuantConfig, model_config
+from trace_jax.config import QuantConfig, model_config
 from trace_jax.expert_parallel import ExpertParallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ModelConfig(
-  vocab_size=64,
-  hidden_size=64,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=32,
-  num_experts=8,
-  num_experts_per_tok=2,
-  moe_intermediate_size=32,
-)
+TINY = tiny_model()
 
 
 def abstract_mesh(**shape):
