@@ -30,6 +30,7 @@ from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
 from configs import default
+from experiments import sweep
 from tests.tiny import TINY
 from trace_jax import checkpoint, model, rollout, train
 from trace_jax.config import MODES, ConfigError
@@ -74,11 +75,7 @@ def data_dir(tmp_path_factory):
 
 
 def tiny_config(data_dir, mode="trace", **overrides):
-  cfg = default.get_config(mode)
-  for key, value in {**TINY, "data.data_dir": data_dir, **overrides}.items():
-    section, _, field = key.rpartition(".")
-    (cfg[section] if section else cfg)[field] = value
-  return cfg
+  return sweep.configure(default.get_config(mode), {**TINY, "data.data_dir": data_dir, **overrides})
 
 
 def cli_overrides(data_dir, **overrides):
