@@ -359,6 +359,9 @@ def test_sigterm_checkpoints_and_the_resumed_run_matches(reference, data_dir, tm
   saved = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints"))
   stopped = max(saved)
   assert 1 <= stopped < STEPS, f"the run was not interrupted (checkpoints {saved})"
+  # The console holds a line per checkpoint; orbax's INFO lines go to the workdir's log file only.
+  assert all(f"Checkpoint of step {s}: " in stderr for s in saved) and "CheckpointManagerOptions" not in stderr
+  assert "CheckpointManagerOptions" in (tmp_path / "log.txt").read_text()
   assert [r["step"] for r in read_metrics(str(tmp_path))] == list(range(1, stopped + 1))
   assert json.loads(stdout)["steps"] == stopped
 
