@@ -6,6 +6,14 @@ Kernels and references: `pallas_kernels.fp4_matmul` (dense, nn.Linear weights) a
 `packed_matmul` / `grouped_packed_matmul` pick an implementation: the Pallas kernel on GPU
 (`impl="auto"` when `jax.default_backend() == "gpu"`), the plain jnp reference elsewhere. The
 choice is logged once per (function, implementation).
+
+The rollout engine calls only `grouped_packed_matmul`: it packs the routed experts alone, and
+keeps dense layers, the shared expert and attention as (fake-quantized) bf16 weights even when
+they are quantization targets (`rollout.weight_sync`). `packed_matmul` and the dense kernel are
+kept as the entry point for packed dense weights (FP4 dense layers or shared experts), and
+because the dense kernel is the plain form of the grouped one: the decode, tiling and K loop the
+grouped kernel reuses are written and tested there, against its jnp reference
+(tests/test_pallas_kernels.py), and benchmarked (experiments/bench_fp4_matmul.py).
 """
 
 from __future__ import annotations

@@ -31,12 +31,18 @@ Kernel design (Pallas, Triton lowering on GPU; the same kernel runs in interpret
   * Activation quantization (W4A4) runs as a jnp prologue, `fp4.dequantize(fp4.quantize(x))`, that
     XLA fuses into one pass over x: bit-identical to the rollout's RTN quantizer by construction,
     and its values are again exact in bf16.
+
+The engine has no packed dense weight today (it packs the routed experts only), so `fp4_matmul`
+has no caller in the product: it is the entry point for FP4 dense layers or shared experts once
+they are packed, and the plain form of the kernel whose decode, tiles and K loop (`accumulate`)
+`grouped_fp4_matmul` reuses; tests/test_pallas_kernels.py checks it against its reference.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 
 import jax
@@ -246,33 +252,11 @@ def default_tiles(
 
 
 def make_tiles(
-  m: int,
-  n: int,
-  k: int,
-  fmt: fp4.Fp4Format,
-  *,
-  interpret: bool,
-  block_m: int | None,
-  block_n: int | None,
-  block_k: int | None,
-  k_splits: int | None,
-  num_warps: int | None,
-  num_stages: int | None,
-  ptx_decode: bool | None = None,
-  split_k: bool = True,
-  parallel: int = 1,
+  m: int, n: int, k: int, fmt: fp4.Fp4Format, *, interpret: bool, split_k: bool = True, parallel: int = 1, **chosen
 ) -> Tiles:
-  """Defaults overridden by the caller's choices, then checked against the shape."""
+  """Defaults overridden by the caller's choices (`Tiles` fields; None keeps the default), then
+  checked against the shape."""
   tiles = default_tiles(m, n, k, fmt, interpret=interpret, split_k=split_k, parallel=parallel)
-  chosen = dict(
-    block_m=block_m,
-    block_n=block_n,
-    block_k=block_k,
-    k_splits=k_splits,
-    num_warps=num_warps,
-    num_stages=num_stages,
-    ptx_decode=ptx_decode,
-  )
   tiles = dataclasses.replace(tiles, **{key: v for key, v in chosen.items() if v is not None})
   check_tiles(tiles, n, k, fmt)
   if interpret and tiles.ptx_decode:
@@ -371,6 +355,13 @@ def compiler_params(tiles: Tiles):
   return plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
+def jit_kernel(fn):
+  """jax.jit with every keyword-only argument static: formats, tile and launch options and the
+  output dtype each select another compiled kernel."""
+  options = [p.name for p in inspect.signature(fn).parameters.values() if p.kind == p.KEYWORD_ONLY]
+  return jax.jit(fn, static_argnames=tuple(options))
+
+
 # --- dense kernel -------------------------------------------------------------------------------
 
 
@@ -389,22 +380,7 @@ def _fp4_matmul_kernel(x_ref, codes_ref, scales_ref, *rest, fmt: fp4.Fp4Format, 
   out_ref[...] = acc.astype(out_ref.dtype)
 
 
-@functools.partial(
-  jax.jit,
-  static_argnames=(
-    "quantize_activations",
-    "activation_format",
-    "block_m",
-    "block_n",
-    "block_k",
-    "k_splits",
-    "num_warps",
-    "num_stages",
-    "ptx_decode",
-    "out_dtype",
-    "interpret",
-  ),
-)
+@jit_kernel
 def fp4_matmul(
   x: jax.Array,
   w: fp4.QuantizedArray,

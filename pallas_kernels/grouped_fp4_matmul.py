@@ -101,21 +101,7 @@ def _grouped_kernel(
   plgpu.store(out_ref.at[rows, :], acc.astype(out_ref.dtype), mask=mask)
 
 
-@functools.partial(
-  jax.jit,
-  static_argnames=(
-    "quantize_activations",
-    "activation_format",
-    "block_m",
-    "block_n",
-    "block_k",
-    "num_warps",
-    "num_stages",
-    "ptx_decode",
-    "out_dtype",
-    "interpret",
-  ),
-)
+@dense.jit_kernel
 def grouped_fp4_matmul(
   x: jax.Array,
   group_sizes: jax.Array,
@@ -164,7 +150,6 @@ def grouped_fp4_matmul(
     block_m=block_m,
     block_n=block_n,
     block_k=block_k,
-    k_splits=None,
     num_warps=num_warps,
     num_stages=num_stages,
     ptx_decode=ptx_decode,

@@ -19,24 +19,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from tests.tiny import tiny_model  # noqa: E402  (the test runs this with the repo root on PYTHONPATH)
 from trace_jax import checkpoint, cluster, data, model, moe, qat, sharding, train, trainer  # noqa: E402
 from trace_jax import config as config_lib  # noqa: E402
 from trace_jax.config import ModelConfig, OptimConfig, QuantConfig, RunConfig  # noqa: E402
 from trace_jax.expert_parallel import ExpertParallel  # noqa: E402
 
-CFG = ModelConfig(
-  vocab_size=64,
-  hidden_size=64,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=32,
-  num_experts=8,
-  num_experts_per_tok=2,
-  moe_intermediate_size=32,
-  rope_theta=10_000.0,
-  initializer_range=0.1,
-)
+CFG: ModelConfig = tiny_model(initializer_range=0.1)
 B, P, NEW, G = 16, 6, 6, 4  # 16 sequences = 4 prompts x 4 samples
 
 

@@ -61,6 +61,7 @@ LAYERS = (
   "trainer",
   "checkpoint",
   "metrics_writer",
+  "console",
   "job",
   "train",
   "hf",

@@ -75,6 +75,7 @@ def test_expand_takes_grids_and_lists():
   assert sweep.run_name({"trace.guidance_form": "full", "rl.tis_cap": 0.0}) == "trace.guidance_form=full,rl.tis_cap=0.0"
 
 
+@pytest.mark.slow
 def test_sweep_aggregates_seeds_from_each_runs_own_workdir(seeds_sweep):
   root, rows = seeds_sweep
   assert [r["mode"] for r in rows] == ["trace", "bf16"]
@@ -116,6 +117,7 @@ def test_sweep_refuses_ambiguous_grids(base):
     sweep.sweep(base, {"seed": [1, 2]}, root="/nonexistent")
 
 
+@pytest.mark.slow
 def test_run_reads_back_resumes_or_refuses(seeds_sweep, base, tmp_path, monkeypatch):
   """Finished under this config: read back. Fewer steps than asked (stopped, or extended):
   resumed. Another config: refused, naming the fields, nothing touched."""
@@ -152,6 +154,7 @@ def test_extract_averages_the_last_fifth_and_the_layer_halves():
   assert sweep.extract(result, "last:agreement/shallow") == 0.5
 
 
+@pytest.mark.slow
 def test_finished_runs_are_read_back_not_rerun(seeds_sweep, base, monkeypatch):
   root, rows = seeds_sweep
 
@@ -163,6 +166,7 @@ def test_finished_runs_are_read_back_not_rerun(seeds_sweep, base, monkeypatch):
   assert json.dumps(again) == json.dumps(rows)  # NaN included
 
 
+@pytest.mark.slow
 def test_a_run_in_its_own_process_matches_the_in_process_run(seeds_sweep, base, tmp_path, monkeypatch, xla_cache):
   _, rows = seeds_sweep
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", xla_cache)
@@ -177,6 +181,7 @@ def test_a_run_in_its_own_process_matches_the_in_process_run(seeds_sweep, base, 
   assert result["summary"] == in_process["summary"] and result["config"] == in_process["config"]
 
 
+@pytest.mark.slow
 def test_tables_and_figures(seeds_sweep, tmp_path):
   _, rows = seeds_sweep
   table = sweep.markdown(rows, compare_modes.METRICS, ["mode"], headers=compare_modes.HEADERS)
@@ -209,6 +214,7 @@ def test_tables_and_figures(seeds_sweep, tmp_path):
     assert width > 400 and height > 200
 
 
+@pytest.mark.slow
 def test_smoothing_and_per_layer_profiles(seeds_sweep):
   values = np.array([[1.0, np.nan, 3.0, 5.0]])
   np.testing.assert_allclose(plotting.smooth(values, 2), [[1.0, 1.0, 3.0, 4.0]])
@@ -255,6 +261,7 @@ def kernel_env(xla_cache):
   }
 
 
+@pytest.mark.slow
 def test_notebook_quantizer_and_guidance(tmp_path, kernel_env):
   nb = execute_notebook(
     "01_quantizer_and_guidance.ipynb", "NUM_PROMPTS = 4\nMAX_NEW_TOKENS = 4\n", tmp_path, kernel_env
@@ -263,6 +270,7 @@ def test_notebook_quantizer_and_guidance(tmp_path, kernel_env):
   assert "Traceback" not in text
 
 
+@pytest.mark.slow
 def test_notebook_mode_comparison(overrides, tmp_path, kernel_env):
   root = tmp_path / "runs"
   # three of the five modes: every mode runs an RL step in test_train; here the notebook is under test
@@ -277,6 +285,7 @@ def test_notebook_mode_comparison(overrides, tmp_path, kernel_env):
   assert images >= 3
 
 
+@pytest.mark.slow
 def test_notebook_ablations(overrides, tmp_path, kernel_env):
   root = tmp_path / "runs"
   params = f"STEPS = {STEPS}\nSEEDS = [0]\nRUN_ROOT = {str(root)!r}\nOVERRIDES = {overrides!r}\n"

@@ -309,16 +309,16 @@ Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 )
 def test_load_errors_name_the_problem(qwen3, tmp_path, edit, pattern):
   path = edited_copy(qwen3[0], tmp_path / "ckpt", **edit)
-  with pytest.raises(hf.CheckpointError, match=pattern):
+  with pytest.raises(hf.HFCheckpointError, match=pattern):
     hf.load_pretrained(path)
 
 
 def test_export_errors(qwen3, tmp_path):
   _, config, params = qwen3
-  with pytest.raises(hf.CheckpointError, match="Mixtral has no QK-norm"):
+  with pytest.raises(hf.HFCheckpointError, match="Mixtral has no QK-norm"):
     hf.config_to_hf(config, hf.MIXTRAL)
-  with pytest.raises(hf.CheckpointError, match="shared expert"):
+  with pytest.raises(hf.HFCheckpointError, match="shared expert"):
     hf.config_to_hf(dataclasses.replace(config, shared_expert_intermediate_size=32))
-  with pytest.raises(hf.CheckpointError, match="dtype"):
+  with pytest.raises(hf.HFCheckpointError, match="dtype"):
     hf.save_pretrained(tmp_path / "out", config, params, dtype="float8")
   assert not (tmp_path / "out").exists()

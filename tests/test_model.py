@@ -15,22 +15,11 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
+from tests.tiny import tiny_model
 from trace_jax import model, moe, qat, quantizer
 from trace_jax.config import ConfigError, ModelConfig, QuantConfig, section
 
-TINY = ModelConfig(
-  vocab_size=64,
-  hidden_size=64,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=32,
-  num_experts=8,
-  num_experts_per_tok=2,
-  moe_intermediate_size=32,
-  rope_theta=10_000.0,
-  initializer_range=0.1,  # O(1) logits and decisive routing
-)
+TINY = tiny_model(initializer_range=0.1)  # O(1) logits and decisive routing
 FP32 = qat.QatContext(compute_dtype=jnp.float32)
 QAT32 = qat.QatContext(QuantConfig(), compute_dtype=jnp.float32)
 GUIDED32 = qat.QatContext(QuantConfig(), guided=True, compute_dtype=jnp.float32)

@@ -1,4 +1,5 @@
-"""Pallas FP4 kernels against their jnp references, in interpret mode on CPU.
+"""Pallas FP4 kernels against their jnp references: in interpret mode on CPU, compiled through
+Triton when the backend is a GPU (INTERPRET), where the inline-PTX decode is checked as well.
 
 Every kernel configuration is compiled once (group sizes are traced, so one compiled grouped
 kernel serves several groupings). The CUDA lowering test runs the Pallas -> Triton lowering on
@@ -20,7 +21,8 @@ from pallas_kernels import fp4_matmul as dense
 from pallas_kernels import grouped_fp4_matmul as grouped
 from trace_jax import fp4
 
-INTERPRET = True
+# The kernels are written for the Triton lowering; elsewhere the Pallas interpreter runs them.
+INTERPRET = jax.default_backend() != "gpu"
 
 # (format, tensor scale): NVFP4 single- and two-level, MXFP4.
 WEIGHT_FORMATS = [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)]
@@ -319,3 +321,16 @@ def test_kernels_lower_to_triton(fmt, with_tensor_scale, ptx_decode):
   experts = _weights((4, 64, 768), fmt, with_tensor_scale)
   text = lower(functools.partial(grouped.grouped_fp4_matmul, **options), x, jnp.ones(4, jnp.int32), experts)
   assert "__gpu$xla.gpu.triton" in text
+
+
+# --- compiled on a GPU only ---------------------------------------------------------------------
+
+
+@pytest.mark.skipif(INTERPRET, reason="inline PTX runs on the GPU only (its emulation is tested above)")
+@pytest.mark.parametrize("fmt,with_tensor_scale", WEIGHT_FORMATS)
+def test_ptx_decode_matches_reference(fmt, with_tensor_scale):
+  w, experts = _weights((128, 256), fmt, with_tensor_scale), _weights((4, 32, 256), fmt, with_tensor_scale)
+  x = _activations(33, 256)
+  kw = dict(quantize_activations=True, out_dtype=jnp.float32)
+  _assert_close(dense.fp4_matmul(x, w, ptx_decode=True, interpret=False, **kw), _dense_reference(x, w, **kw))
+  _check_grouped(x, experts, GROUPINGS_33[:2], ptx_decode=True, quantize_activations=True)

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from tests.tiny import tiny_model
 from trace_jax import fp4, model, qat, quantizer, rollout
 from trace_jax.config import (
   KEY,
   MOE_INPUT,
   VALUE,
   ConfigError,
-  ModelConfig,
   QuantConfig,
   RolloutConfig,
   SamplingConfig,
@@ -30,19 +30,8 @@ from trace_jax.config import (
 )
 from trace_jax.experience import RolloutResult, guidance_bytes_per_token
 
-CFG = ModelConfig(
-  vocab_size=40,
-  hidden_size=64,
-  num_layers=4,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=32,
-  num_experts=8,
-  num_experts_per_tok=2,
-  moe_intermediate_size=32,
-  rope_theta=10_000.0,
-  initializer_range=0.06,  # 3x HF's default: larger activations make the FP4 mismatch visible
-)
+# initializer_range 3x HF's default: larger activations make the FP4 mismatch visible
+CFG = tiny_model(vocab_size=40, num_layers=4, initializer_range=0.06)
 L = CFG.num_layers
 B, P, NEW = 4, 6, 8
 PADS = (0, 2, 3, 1)  # left padding per row (row 0 unpadded)

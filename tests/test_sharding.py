@@ -30,22 +30,13 @@ from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 from configs import default, models
+from tests.tiny import tiny_model
 from trace_jax import cluster, model, moe, qat, rollout, sharding
-from trace_jax.config import ConfigError, MeshConfig, ModelConfig, QuantConfig, RunConfig, model_config, section
+from trace_jax.config import ConfigError, MeshConfig, QuantConfig, RunConfig, model_config, section
 from trace_jax.expert_parallel import ExpertParallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ModelConfig(
-  vocab_size=64,
-  hidden_size=64,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=32,
-  num_experts=8,
-  num_experts_per_tok=2,
-  moe_intermediate_size=32,
-)
+TINY = tiny_model()
 
 
 def abstract_mesh(**shape):
@@ -201,6 +192,7 @@ def test_expert_parallel_on_one_device_is_the_sorted_moe():
 # --- 8 simulated devices (subprocess) --------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_expert_parallel_equals_sorted_moe_with_enough_capacity(results):
   for a2a in ("dense", "ragged_reference"):
     r = results["ep"][f"{a2a}/4.0"]
@@ -208,6 +200,7 @@ def test_expert_parallel_equals_sorted_moe_with_enough_capacity(results):
     assert results["ep"][f"grad/{a2a}"] < 1e-5
 
 
+@pytest.mark.slow
 def test_expert_parallel_reports_drops(results):
   for a2a in ("dense", "ragged_reference"):
     r = results["ep"][f"{a2a}/1.0"]
@@ -215,6 +208,7 @@ def test_expert_parallel_reports_drops(results):
     assert r["rows_equal"] == 44 - r["rows_with_drops"], (a2a, r)  # rows without a drop are untouched
 
 
+@pytest.mark.slow
 def test_sharded_rl_steps_match_one_device(results):
   r = results["rl"]
   assert r["tokens_equal"]
@@ -224,6 +218,7 @@ def test_sharded_rl_steps_match_one_device(results):
   assert r["grad_norm"][0] > 0 and r["dropped"] == [0.0, 0.0]
 
 
+@pytest.mark.slow
 def test_bytes_crossing_meshes_are_reported(results):
   r = results["rl"]
   assert all(b == {"sync": 0, "batch": 0, "guidance": 0} for b in r["single_bytes"])
@@ -231,12 +226,14 @@ def test_bytes_crossing_meshes_are_reported(results):
     assert b["sync"] > 0 and b["batch"] > b["guidance"] > 0
 
 
+@pytest.mark.slow
 def test_checkpoint_restores_onto_another_mesh(results):
   r = results["checkpoint"]
   assert r["step"] == 1 and r["equal"] and r["equal_single"] and r["on_target_mesh"]
   assert r["q_spec_a"] != r["q_spec_b"]
 
 
+@pytest.mark.slow
 def test_aot_compile_of_a_scaled_down_qwen3_30b_a3b(results):
   r = results["aot"]
   for step in ("train_step", "decode_step"):
@@ -246,6 +243,7 @@ def test_aot_compile_of_a_scaled_down_qwen3_30b_a3b(results):
 # --- two processes (jax.distributed) ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_processes_produce_the_metrics_of_one(subprocesses):
   wait, tmp = subprocesses
   wait("one")

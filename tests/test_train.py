@@ -30,6 +30,7 @@ from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
 from configs import default
+from experiments import sweep
 from tests.tiny import TINY
 from trace_jax import checkpoint, experience, model, rollout, train, trainer
 from trace_jax.config import MODES, ConfigError, RunConfig
@@ -74,11 +75,7 @@ def data_dir(tmp_path_factory):
 
 
 def tiny_config(data_dir, mode="trace", **overrides):
-  cfg = default.get_config(mode)
-  for key, value in {**TINY, "data.data_dir": data_dir, **overrides}.items():
-    section, _, field = key.rpartition(".")
-    (cfg[section] if section else cfg)[field] = value
-  return cfg
+  return sweep.configure(default.get_config(mode), {**TINY, "data.data_dir": data_dir, **overrides})
 
 
 def cli_overrides(data_dir, **overrides):
@@ -191,6 +188,7 @@ def run_main(args, **kwargs):
 # --- the reference run: metrics and TensorBoard ---------------------------------------------
 
 
+@pytest.mark.slow
 def test_reference_run_writes_every_metric(reference):
   workdir, summary = reference
   rows = read_metrics(workdir)
@@ -217,6 +215,7 @@ def test_reference_run_writes_every_metric(reference):
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["0", "2", "4"]
 
 
+@pytest.mark.slow
 def test_tensorboard_holds_the_jsonl_scalars(reference):
   workdir, _ = reference
   scalars = read_tensorboard_scalars(os.path.join(workdir, "tensorboard"))
@@ -255,6 +254,7 @@ def test_every_mode_resolves_to_its_engine_and_trainer(data_dir):
   assert runs["trace_full"].rollout.guidance_form == "full"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["bf16", "fp4"])
 def test_mode_runs_an_rl_step(mode, data_dir, tmp_path, no_eval):
   """bf16 and fp4 end to end (trace is the reference run; the other modes are traced below)."""
@@ -309,6 +309,7 @@ def test_other_modes_trace_an_rl_step(mode, data_dir):
 # --- determinism and resume -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_same_seed_gives_the_same_run(reference, data_dir, tmp_path):
   workdir, summary = reference
   again = train.train_and_evaluate(tiny_config(data_dir), str(tmp_path))
@@ -318,6 +319,7 @@ def test_same_seed_gives_the_same_run(reference, data_dir, tmp_path):
   assert_same_state(latest_state(cfg, str(tmp_path))[1], latest_state(cfg, workdir)[1])
 
 
+@pytest.mark.slow
 def test_a_shorter_run_extended_matches_the_uninterrupted_one(reference, data_dir, tmp_path, no_eval):
   """steps=2, then steps=4 in the same workdir == steps=4 at once.
 
@@ -339,6 +341,7 @@ def test_a_shorter_run_extended_matches_the_uninterrupted_one(reference, data_di
   assert_same_state(state, ref_state)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_the_resumed_run_matches(reference, data_dir, tmp_path):
   """A real preemption: SIGTERM to `python -m trace_jax.main` after its first logged RL step."""
   workdir, _ = reference
@@ -356,6 +359,9 @@ def test_sigterm_checkpoints_and_the_resumed_run_matches(reference, data_dir, tm
   saved = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints"))
   stopped = max(saved)
   assert 1 <= stopped < STEPS, f"the run was not interrupted (checkpoints {saved})"
+  # The console holds a line per checkpoint; orbax's INFO lines go to the workdir's log file only.
+  assert all(f"Checkpoint of step {s}: " in stderr for s in saved) and "CheckpointManagerOptions" not in stderr
+  assert "CheckpointManagerOptions" in (tmp_path / "log.txt").read_text()
   assert [r["step"] for r in read_metrics(str(tmp_path))] == list(range(1, stopped + 1))
   assert json.loads(stdout)["steps"] == stopped
 
@@ -371,6 +377,7 @@ def test_sigterm_checkpoints_and_the_resumed_run_matches(reference, data_dir, tm
 # --- checkpoints ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(reference, data_dir, tmp_path, caplog, no_eval):
   workdir, _ = reference
   copy = str(tmp_path / "run")
@@ -393,6 +400,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(reference, d
   assert_same_state(state, latest_state(cfg, workdir)[1])
 
 
+@pytest.mark.slow
 def test_no_readable_checkpoint_is_an_error_and_nothing_is_deleted(reference, data_dir, tmp_path):
   workdir, _ = reference
   copy = str(tmp_path / "run")
@@ -437,6 +445,7 @@ def test_unknown_config_field_is_refused(data_dir, tmp_path):
     train.train_and_evaluate(cfg, str(tmp_path / "run"))
 
 
+@pytest.mark.slow
 def test_a_workdir_of_another_config_is_refused_untouched(reference, data_dir, tmp_path):
   workdir, _ = reference
   copy = str(tmp_path / "run")
@@ -449,6 +458,7 @@ def test_a_workdir_of_another_config_is_refused_untouched(reference, data_dir, t
   assert file_digests(copy) == before
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data_dir, tmp_path, monkeypatch, no_eval):
   """NaN rewards from step 3 on make the loss NaN: the update is skipped, the run stops with a
   FloatingPointError naming the step-2 checkpoint, which stays on disk."""
@@ -474,6 +484,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data_dir, tmp
 # --- main.py --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_main_helpfull():
   proc = run_main(["--helpfull"])
   stdout, stderr = proc.communicate(timeout=300)
@@ -482,6 +493,7 @@ def test_main_helpfull():
   assert "--workdir: Directory for checkpoints" in stdout
 
 
+@pytest.mark.slow
 def test_main_bad_config_exits_2_with_a_message(data_dir, tmp_path):
   workdir = tmp_path / "run"
   proc = run_main(["--config=configs/default.py:int8", f"--workdir={workdir}", *cli_overrides(data_dir)])

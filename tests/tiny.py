@@ -1,4 +1,21 @@
-"""Config overrides shared by the tests that run the RL loop end to end (train, experiments)."""
+"""The tiny model of the tests: `tiny_model()` for the unit tests, and the config overrides (TINY)
+shared by the tests that run the RL loop end to end (train, experiments)."""
+
+import dataclasses
+
+from configs import models
+from trace_jax.config import ModelConfig, model_config
+
+
+def tiny_model(**overrides) -> ModelConfig:
+  """The `tiny` preset of configs/models.py at 2 layers (vocab 64, hidden 64, 4 heads / 2 KV heads
+  of 32, 8 experts of 32, top-2, RoPE theta 1e4), with `overrides` (ModelConfig fields) applied.
+
+  A test names here only what it needs to differ (e.g. a larger `initializer_range` for decisive
+  routing), so every test module starts from the same model.
+  """
+  return dataclasses.replace(model_config(models.tiny()), **{"num_layers": 2, **overrides})
+
 
 # The smallest model NVFP4 applies to (contraction dims multiples of 16), 2 layers so that
 # TRACE guides one and measures the other. 4 steps, checkpoints at 0, 2, 4, eval at 4.

@@ -30,7 +30,8 @@ class Checkpointer:
     return sorted(self._manager.all_steps())
 
   def save(self, step: int, state, *, force: bool = False) -> None:
-    self._manager.save(step, args=ocp.args.StandardSave(state), force=force)
+    if self._manager.save(step, args=ocp.args.StandardSave(state), force=force):
+      logging.info("Checkpoint of step %d: %s", step, os.path.join(self.directory, str(step)))
 
   def wait(self) -> None:
     self._manager.wait_until_finished()

@@ -5,7 +5,7 @@ Inside the block the token rows are split over every mesh axis (tokens replicate
 split over `expert_axis`. Each (token, slot) assignment travels to the device holding its
 expert, the expert FFN runs there as a grouped matmul, and the output travels back.
 
-Two exchanges, picked by backend (`a2a='auto'`):
+Three exchanges; `a2a='auto'` picks 'dense' on CPU and 'ragged' elsewhere:
   * 'dense': fixed [E, C] buffers per device and `lax.all_to_all`; C = the capacity per expert
     per source device = ceil(capacity_factor * local assignments / E). Assignments beyond C
     are dropped (their expert output is 0). Runs on every backend (CPU included).

@@ -34,9 +34,12 @@ QWEN3_MOE = "Qwen3MoeForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
 ARCHITECTURES = (QWEN3_MOE, MIXTRAL)
 
-# transformers' defaults for the fields a config.json may omit (Qwen3MoeConfig, MixtralConfig).
+# transformers' defaults for the fields a config.json may omit (Qwen3MoeConfig, MixtralConfig),
+# first those the two classes share.
+_COMMON_DEFAULTS = dict(tie_word_embeddings=False, router_aux_loss_coef=0.001, initializer_range=0.02)
 _DEFAULTS = {
   QWEN3_MOE: dict(
+    _COMMON_DEFAULTS,
     num_key_value_heads=4,
     intermediate_size=6144,
     norm_topk_prob=False,
@@ -44,19 +47,10 @@ _DEFAULTS = {
     mlp_only_layers=[],
     rope_theta=10_000.0,
     rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    router_aux_loss_coef=0.001,
     max_position_embeddings=32768,
-    initializer_range=0.02,
   ),
   MIXTRAL: dict(
-    num_key_value_heads=8,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    router_aux_loss_coef=0.001,
-    max_position_embeddings=131072,
-    initializer_range=0.02,
+    _COMMON_DEFAULTS, num_key_value_heads=8, rope_theta=1_000_000.0, rms_norm_eps=1e-5, max_position_embeddings=131072
   ),
 }
 _MODEL_TYPE = {QWEN3_MOE: "qwen3_moe", MIXTRAL: "mixtral"}
@@ -69,8 +63,9 @@ _EXPERTS = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
-  """A checkpoint this loader cannot read faithfully: the message names the field or tensor."""
+class HFCheckpointError(ValueError):
+  """A Hugging Face checkpoint (or export) this module cannot handle faithfully: the message names
+  the field or tensor. Training checkpoints have their own `checkpoint.CheckpointError`."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +76,7 @@ def architecture_of(hf_config: Mapping[str, Any]) -> str:
   archs = hf_config.get("architectures") or []
   supported = [a for a in archs if a in ARCHITECTURES]
   if not supported:
-    raise CheckpointError(
+    raise HFCheckpointError(
       f"config.json: architectures = {archs} is not supported; this loader reads {list(ARCHITECTURES)}. "
       "Convert the checkpoint to one of them, or add its weight mapping to trace_jax/hf.py."
     )
@@ -96,7 +91,7 @@ def _rope_theta(hf: Mapping[str, Any], default: float) -> float:
       continue
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
-      raise CheckpointError(
+      raise HFCheckpointError(
         f"config.json: {field}.rope_type = {rope_type!r} is not implemented (only plain RoPE); "
         f"set {field} to null to run without RoPE scaling, or implement {rope_type!r} in attention.rope_tables."
       )
@@ -115,17 +110,17 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
       return hf[field]
     if field in defaults:
       return defaults[field]
-    raise CheckpointError(f"config.json: required field {field!r} is missing for {arch}; add it to config.json.")
+    raise HFCheckpointError(f"config.json: required field {field!r} is missing for {arch}; add it to config.json.")
 
   if hf.get("hidden_act", "silu") != "silu":
-    raise CheckpointError(
+    raise HFCheckpointError(
       f"config.json: hidden_act = {hf['hidden_act']!r}; the experts implement SwiGLU ('silu') only."
     )
   if hf.get("attention_bias"):
-    raise CheckpointError("config.json: attention_bias = true; the attention projections here have no bias.")
+    raise HFCheckpointError("config.json: attention_bias = true; the attention projections here have no bias.")
   window = hf.get("sliding_window") if (arch == MIXTRAL or hf.get("use_sliding_window")) else None
   if window is not None and window < get("max_position_embeddings"):
-    raise CheckpointError(
+    raise HFCheckpointError(
       f"config.json: sliding_window = {window} is not implemented (full causal attention only); "
       "set it to null (or use_sliding_window = false) to load the model with full attention."
     )
@@ -133,9 +128,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
   if arch == QWEN3_MOE:
     counts = {k: hf[k] for k in ("num_experts", "num_local_experts") if hf.get(k) is not None}
     if len(set(counts.values())) > 1:
-      raise CheckpointError(f"config.json: num_experts and num_local_experts disagree ({counts}); keep one.")
+      raise HFCheckpointError(f"config.json: num_experts and num_local_experts disagree ({counts}); keep one.")
     if not counts:
-      raise CheckpointError("config.json: required field 'num_experts' is missing for Qwen3MoeForCausalLM.")
+      raise HFCheckpointError("config.json: required field 'num_experts' is missing for Qwen3MoeForCausalLM.")
     moe = dict(
       num_experts=next(iter(counts.values())),
       moe_intermediate_size=get("moe_intermediate_size"),
@@ -172,7 +167,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
       **moe,
     )
   except ConfigError as e:
-    raise CheckpointError(f"config.json describes an invalid model: {e}") from None
+    raise HFCheckpointError(f"config.json describes an invalid model: {e}") from None
 
 
 def default_architecture(config: ModelConfig) -> str:
@@ -226,7 +221,7 @@ def config_to_hf(config: ModelConfig, architecture: str | None = None, dtype: st
 
 def _check_exportable(config: ModelConfig, arch: str):
   if arch not in ARCHITECTURES:
-    raise CheckpointError(f"architecture {arch!r} is not supported; expected one of {list(ARCHITECTURES)}.")
+    raise HFCheckpointError(f"architecture {arch!r} is not supported; expected one of {list(ARCHITECTURES)}.")
   problems = []
   if config.shared_expert_intermediate_size:
     problems.append("shared_expert_intermediate_size > 0 (neither architecture has a shared expert)")
@@ -240,7 +235,7 @@ def _check_exportable(config: ModelConfig, arch: str):
     if len(config.moe_layers) != config.num_layers:
       problems.append("dense MLP layers (Mixtral is sparse in every layer)")
   if problems:
-    raise CheckpointError(f"cannot export as {arch}: config.model has " + "; ".join(problems) + ".")
+    raise HFCheckpointError(f"cannot export as {arch}: config.model has " + "; ".join(problems) + ".")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,15 +262,15 @@ class _Reader:
     else:
       files = sorted(path.glob("*.safetensors"))
     if not files:
-      raise CheckpointError(f"{path}: no *.safetensors files (and no model.safetensors.index.json).")
+      raise HFCheckpointError(f"{path}: no *.safetensors files (and no model.safetensors.index.json).")
     self._where = {}
     for file in files:
       if not file.exists():
-        raise CheckpointError(f"{index}: shard {file.name} is listed in weight_map but missing; copy it into {path}.")
+        raise HFCheckpointError(f"{index}: shard {file.name} is listed in weight_map but missing; copy it into {path}.")
       handle = stack.enter_context(safe_open(file, framework="numpy"))
       for name in handle.keys():
         if name in self._where:
-          raise CheckpointError(f"{path}: tensor {name!r} appears in more than one shard.")
+          raise HFCheckpointError(f"{path}: tensor {name!r} appears in more than one shard.")
         self._where[name] = handle
     self.unused = set(self._where)
 
@@ -284,13 +279,13 @@ class _Reader:
 
   def get(self, name: str, shape: tuple[int, ...], hint: str) -> np.ndarray:
     if name not in self._where:
-      raise CheckpointError(
+      raise HFCheckpointError(
         f"{self.path}: tensor {name!r} is missing (expected shape {shape}, from config.json {hint}). "
         "Re-export the checkpoint with all its tensors, or fix config.json if it describes another model."
       )
     actual = tuple(self._where[name].get_slice(name).get_shape())
     if actual != shape:
-      raise CheckpointError(
+      raise HFCheckpointError(
         f"{self.path}: tensor {name!r} has shape {actual}, but config.json ({hint}) implies {shape}; "
         "make config.json match the checkpoint."
       )
@@ -353,12 +348,12 @@ def _read_experts(r: _Reader, c: ModelConfig, arch: str, i: int, cast) -> MoEPar
 def load_pretrained(path: str | pathlib.Path, dtype=np.float32) -> tuple[ModelConfig, Params]:
   """(ModelConfig, Params) from a Hugging Face checkpoint directory; weights cast to `dtype`.
 
-  Every tensor must be used: a missing, misshaped or unexpected tensor raises CheckpointError.
+  Every tensor must be used: a missing, misshaped or unexpected tensor raises HFCheckpointError.
   """
   path = pathlib.Path(path)
   config_file = path / "config.json"
   if not config_file.exists():
-    raise CheckpointError(f"{path}: no config.json; a Hugging Face checkpoint directory needs one.")
+    raise HFCheckpointError(f"{path}: no config.json; a Hugging Face checkpoint directory needs one.")
   hf = json.loads(config_file.read_text())
   arch = architecture_of(hf)
   c = config_from_hf(hf)
@@ -377,7 +372,7 @@ def load_pretrained(path: str | pathlib.Path, dtype=np.float32) -> tuple[ModelCo
       lm_head = cast(r.get("lm_head.weight", (c.vocab_size, c.hidden_size), why).T)
     unexpected = sorted(n for n in r.unused if not n.endswith(_IGNORED_SUFFIXES))
     if unexpected:
-      raise CheckpointError(
+      raise HFCheckpointError(
         f"{path}: {len(unexpected)} unexpected tensor(s) that {arch} as implemented here does not use, e.g. "
         f"{unexpected[:5]}. The checkpoint holds parts this model lacks (biases, extra modules, or more "
         "layers/experts than config.json says); fix config.json or remove them."
@@ -399,7 +394,7 @@ def state_dict(params: Params, config: ModelConfig, architecture: str | None = N
   if params.lm_head is not None:
     out["lm_head.weight"] = host(params.lm_head).T
   elif not c.tie_word_embeddings:
-    raise CheckpointError("params.lm_head is None but config.model.tie_word_embeddings is False.")
+    raise HFCheckpointError("params.lm_head is None but config.model.tie_word_embeddings is False.")
   for i, layer in enumerate(params.layers):
     p, a = f"model.layers.{i}.", layer.attn
     out[p + "input_layernorm.weight"] = host(layer.input_norm)
@@ -440,7 +435,7 @@ def save_pretrained(
   arch = architecture or default_architecture(config)
   np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}.get(dtype)
   if np_dtype is None:
-    raise CheckpointError(f"dtype {dtype!r} is not supported for export; use 'float32' or 'bfloat16'.")
+    raise HFCheckpointError(f"dtype {dtype!r} is not supported for export; use 'float32' or 'bfloat16'.")
   tensors = {k: np.ascontiguousarray(v, dtype=np_dtype) for k, v in state_dict(params, config, arch).items()}
   path = pathlib.Path(path)
   path.mkdir(parents=True, exist_ok=True)

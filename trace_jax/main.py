@@ -15,6 +15,7 @@ from ml_collections import config_flags
 from trace_jax import train
 from trace_jax.checkpoint import CheckpointError
 from trace_jax.config import ConfigError
+from trace_jax.console import setup_logging
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a get_config() file, optionally file.py:arg.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics; rerun to resume.")
@@ -23,7 +24,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.INFO)
+  setup_logging(_WORKDIR.value)  # our messages and warnings above the progress bars; all in <workdir>/log.txt
   try:
     summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except (ConfigError, CheckpointError, FloatingPointError) as e:

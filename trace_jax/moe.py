@@ -1,12 +1,14 @@
 """The MoE block: softmax router with top-k, SwiGLU experts, optional shared expert.
 
-Expert compute has two implementations that agree (tests/test_model.py):
+Expert compute has three implementations that agree (tests/test_model.py, tests/test_sharding.py):
   * 'sorted': sort the (token, slot) pairs by expert and run grouped matmuls
     (`lax.ragged_dot`), the trainer's path;
-  * 'dense': every expert on every selected slot, picked with a one-hot; the reference.
+  * 'dense': every expert on every selected slot, picked with a one-hot; the reference;
   * 'ep': expert parallelism over a mesh (expert_parallel.py): the sorted path's expert FFN,
     run where the experts live, with an all_to_all dispatch and a capacity.
-FP4 fake-quant hooks (W4A4 on the routed experts) go through `qat.fake_quant_rows`.
+FP4 fake-quant (W4A4 on the routed experts) goes through the `qat.QatContext` passed in: `weight`
+for the expert weights, `guided_activation` for the expert input and hidden rows, whose guidance
+rows follow the tokens with `qat.take_rows` / `qat.flatten_rows`.
 """
 
 from __future__ import annotations
@@ -173,9 +175,11 @@ def moe_block(
 
 
 def load_balancing_loss(router_logits: jax.Array, topk_ids: jax.Array, mask: jax.Array, num_experts: int):
-  """Switch/HF auxiliary loss E * sum_e f_e * P_e over real tokens, for one layer.
+  """Switch/HF auxiliary loss E * sum_e f_e * P_e over real tokens.
 
-  router_logits [T, E], topk_ids [T, k], mask [T] (1 = real token).
+  router_logits [T, E], topk_ids [T, k], mask [T] (1 = real token). `model.forward` passes the
+  rows of every MoE layer concatenated (mask tiled), so f_e and P_e are averaged over layers and
+  tokens together, as transformers' `load_balancing_loss_func` does (tests/test_model.py).
   """
   mask = mask.astype(jnp.float32)
   denom = jnp.maximum(jnp.sum(mask), 1.0)

@@ -141,13 +141,23 @@ def encode_sft(
   return tokens, mask, loss_mask
 
 
+# Dataclasses for their __init__ only: identity equality and the default repr (a source can be large).
+@dataclasses.dataclass(eq=False, repr=False)
 class _Batcher(abc.ABC, Generic[BatchT]):
-  """Shared by the prompt and SFT batchers: the source, the sampler, and stateless iteration."""
+  """Shared by the prompt and SFT batchers: the source, the sampler, and stateless iteration.
 
-  def __init__(self, source: DataSource, tokenizer: Tokenizer, batch_size: int, seed: int, shuffle: bool = True):
-    self.source = source
-    self.tokenizer = tokenizer
-    self.sampler = EpochSampler(len(source), batch_size, seed, shuffle)
+  seed and shuffle are keyword-only, so that a subclass's own lengths follow max_prompt_len.
+  """
+
+  source: DataSource
+  tokenizer: Tokenizer
+  batch_size: int
+  max_prompt_len: int
+  seed: int = dataclasses.field(default=0, kw_only=True)
+  shuffle: bool = dataclasses.field(default=True, kw_only=True)
+
+  def __post_init__(self):
+    self.sampler = EpochSampler(len(self.source), self.batch_size, self.seed, self.shuffle)
 
   def _examples(self, step: int) -> tuple[np.ndarray, list[Example]]:
     indices = self.sampler.indices_at(step)
@@ -174,18 +184,6 @@ class _Batcher(abc.ABC, Generic[BatchT]):
 class PromptBatcher(_Batcher[PromptBatch]):
   """Batches of B left-padded prompts; `batch_at(step)` is deterministic in (seed, step)."""
 
-  def __init__(
-    self,
-    source: DataSource,
-    tokenizer: Tokenizer,
-    batch_size: int,
-    max_prompt_len: int,
-    seed: int = 0,
-    shuffle: bool = True,
-  ):
-    super().__init__(source, tokenizer, batch_size, seed, shuffle)
-    self.max_prompt_len = max_prompt_len
-
   def batch_at(self, step: int) -> PromptBatch:
     indices, examples = self._examples(step)
     tokens, mask = encode_prompts(examples, self.tokenizer, self.max_prompt_len, indices)
@@ -201,22 +199,11 @@ class PromptBatcher(_Batcher[PromptBatch]):
     )
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class SFTBatcher(_Batcher[SFTBatch]):
   """Batches of teacher-forced prompt + target sequences for the supervised warm start."""
 
-  def __init__(
-    self,
-    source: DataSource,
-    tokenizer: Tokenizer,
-    batch_size: int,
-    max_prompt_len: int,
-    max_target_len: int,
-    seed: int = 0,
-    shuffle: bool = True,
-  ):
-    super().__init__(source, tokenizer, batch_size, seed, shuffle)
-    self.max_prompt_len = max_prompt_len
-    self.max_target_len = max_target_len
+  max_target_len: int
 
   def batch_at(self, step: int) -> SFTBatch:
     indices, examples = self._examples(step)
