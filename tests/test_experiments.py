@@ -302,7 +302,7 @@ def test_notebook_ablations(overrides, tmp_path, kernel_env):
       "rl.tis_cap=0.0",
       "rl.routing_replay=False",
       "trace.tensors=moe_input",
-      "trace.tensors=moe_input+key+value",
+      "trace.tensors=moe_input+moe_hidden+key+value",
       "trace.tensors=moe_input+moe_hidden",
     ]
   )
