@@ -430,6 +430,34 @@ def test_inconsistent_config_is_refused_before_anything_is_written(overrides, fi
   assert not workdir.exists()
 
 
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    ({"rollout.max_new_tokens": 7}, r"config\.rollout\.max_new_tokens: answers of level 4 need 8 tokens with EOS"),
+    ({"data.max_prompt_len": 9}, r"config\.data\.max_prompt_len: prompts of level 4 need 10 tokens with BOS"),
+  ],
+)
+def test_a_task_longer_than_the_lengths_is_refused_before_any_work(overrides, message, tmp_path):
+  """Refused with the field and the fix before the task is built, SFT runs or the workdir is written."""
+  data_dir, workdir = tmp_path / "tfds", tmp_path / "run"
+  cfg = tiny_config(str(data_dir), **{"data.levels": (3, 4), **overrides})
+  with pytest.raises(ConfigError, match=message + r".*raise it to >= (8|10)\."):
+    train.train_and_evaluate(cfg, str(workdir))
+  assert not workdir.exists() and not data_dir.exists()
+
+
+def test_level_4_answers_fill_the_response_and_train(tmp_path, no_eval):
+  """A level-4 target with its EOS is 8 tokens, all that max_new_tokens = 8 lets the rollout generate:
+  SFT must train on it (it used to stop at 7 tokens and raise) and RL runs."""
+  cfg = tiny_config(str(tmp_path / "tfds"), steps=1, **{"data.levels": (3, 4)})
+  run = RunConfig.from_config(cfg)
+  tokenizer, source, _ = train.load_data(run.data)
+  batcher = train.data.SFTBatcher(source, tokenizer, cfg.sft.batch_size, cfg.data.max_prompt_len, 8, seed=cfg.seed)
+  assert any(batcher.batch_at(i).loss_mask.sum(1).max() == 8 for i in range(cfg.sft.steps))
+  summary = train.train_and_evaluate(cfg, str(tmp_path / "run"))
+  assert summary["steps"] == 1 and read_metrics(str(tmp_path / "run"))[0]["finite"] is True
+
+
 def test_unknown_config_field_is_refused(data_dir, tmp_path):
   cfg = tiny_config(data_dir)
   cfg.rl.tis_clip = 2.0  # a typo of tis_cap

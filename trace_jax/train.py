@@ -29,13 +29,26 @@ from trace_jax.config import DataConfig, QuantConfig, RunConfig
 from trace_jax.metrics_writer import read_metrics
 
 
-def load_data(cfg: DataConfig):
-  """(tokenizer, train source, test source) for the configured task."""
+def load_data(cfg: DataConfig, max_new_tokens: int | None = None):
+  """(tokenizer, train source, test source) for the configured task.
+
+  max_new_tokens: also refuse (data.check_lengths), before the arithmetic task is built, prompts
+  longer than data.max_prompt_len and answers the rollout cannot finish in max_new_tokens. The
+  arithmetic task is checked on each level's longest problem (exact for the character tokenizer),
+  JSONL files line by line.
+  """
   tokenizer = data.load_tokenizer(cfg.tokenizer or None)
+
+  def check(examples):
+    if max_new_tokens is not None:
+      data.check_lengths(examples, tokenizer, cfg.max_prompt_len, max_new_tokens)
+
   if cfg.jsonl_train:
     train = data.JsonlSource(cfg.jsonl_train)
     test = data.JsonlSource(cfg.jsonl_test) if cfg.jsonl_test else train
+    check({f"{src.path}:{ex.metadata['line']}": ex for src in (train, test) for ex in src})
     return tokenizer, train, test
+  check({f"level {level}": data.longest_example(level) for level in cfg.levels})
   kwargs = dict(
     data_dir=cfg.data_dir or None,
     levels=tuple(cfg.levels),
@@ -66,7 +79,7 @@ def sft_warm_start(params, run: RunConfig, tokenizer, source, *, cache: str = ""
     tokenizer,
     run.sft.batch_size,
     run.data.max_prompt_len,
-    run.sampling.max_new_tokens - 1,
+    run.sampling.max_new_tokens,  # the rollout's response: up to max_new_tokens, EOS included
     seed=run.job.seed,
   )
   for i in tqdm(range(steps), desc="sft", leave=False, disable=not job.is_lead()):
@@ -211,7 +224,7 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
   """
   run = RunConfig.from_config(cfg)
   sharding.initialize_distributed(**dataclasses.asdict(run.distributed))
-  tokenizer, train_source, test_source = load_data(run.data)
+  tokenizer, train_source, test_source = load_data(run.data, run.sampling.max_new_tokens)
   run = run.with_tokenizer(tokenizer)
   topology = cluster.Topology.from_config(run.mesh)
   job.check_workdir(cfg, workdir)
