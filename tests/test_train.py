@@ -31,7 +31,7 @@ from tensorboardX.record_writer import masked_crc32c
 
 from configs import default
 from tests.tiny import TINY
-from trace_jax import checkpoint, experience, model, rollout, train, trainer
+from trace_jax import checkpoint, cluster, experience, model, rollout, train, trainer
 from trace_jax.config import MODES, ConfigError, RunConfig
 from trace_jax.metrics_writer import read_metrics
 
@@ -304,6 +304,48 @@ def test_other_modes_trace_an_rl_step(mode, data_dir):
     k for k in SPEC_KEYS if k not in metrics and k.split("/")[0] not in ("reward", "response", "time", "guidance")
   ]
   assert not missing, missing
+
+
+# --- PPO updates per rollout batch ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_rl_step(data_dir):
+  """(minibatches, ppo_epochs) -> metrics of one RL step from a fresh init, at a large learning rate,
+  with rewards 0, 1 in every group (so that every advantage is +-1 and the policy moves)."""
+
+  def run_one(minibatches, ppo_epochs):
+    overrides = {"optim.learning_rate": 0.03, "optim.warmup_steps": 0, "rl.kl_coef": 0.0}
+    cfg = tiny_config(data_dir, **overrides, **{"rl.minibatches": minibatches, "rl.ppo_epochs": ppo_epochs})
+    run = RunConfig.from_config(cfg)
+    tokenizer, source, _ = train.load_data(run.data)
+    run = run.with_tokenizer(tokenizer)
+    topology = cluster.Topology.single_device()
+    optimizer = trainer.make_optimizer(run.optim, run.job.steps)
+    state = trainer.init_state(run.model, optimizer, jax.random.key(0), topology.trainer)
+    rewards = lambda answers, responses: (np.arange(len(answers)) % 2).astype(np.float32)
+    rl_step = train.RLStep.build(run, topology, optimizer, rewards, jax.random.key(1))
+    prompts = train.data.PromptBatcher(source, tokenizer, run.job.batch_prompts, run.data.max_prompt_len).batch_at(0)
+    _, metrics = rl_step(0, state, prompts)
+    return {k: v for k, v in metrics.items() if not k.startswith("time/")}
+
+  return run_one
+
+
+def test_the_ppo_clip_acts_only_after_the_first_update(one_rl_step):
+  """One update per rollout batch: the ratio is exactly 1 and nothing clips. Mini-batches (the
+  second sees parameters the first moved) or a second epoch: it clips. The mismatch and agreement
+  metrics are the pre-update policy's in every setting, and mini-batches are deterministic."""
+  single = one_rl_step(1, 1)
+  assert single["loss/clip_frac"] == 0.0 and single["finite"] is True
+  behaviour = {k: v for k, v in single.items() if k.startswith(("mismatch/", "agreement/", "routing_agreement/"))}
+  runs = {setting: one_rl_step(*setting) for setting in ((2, 1), (1, 2))}
+  for setting, metrics in runs.items():
+    assert metrics["loss/clip_frac"] > 0.0 and metrics["finite"] is True, setting
+    assert set(metrics) == set(single)
+    for k, v in behaviour.items():
+      assert metrics[k] == pytest.approx(v, rel=1e-5, nan_ok=True), (k, setting)
+  assert json.dumps(one_rl_step(2, 1)) == json.dumps(runs[2, 1])
 
 
 # --- determinism and resume -----------------------------------------------------------------

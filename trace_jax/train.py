@@ -125,13 +125,16 @@ class RLStep:
   """One GRPO step, `state, metrics = rl_step(step, state, prompts)`: what every step reuses.
 
   sync: trainer params -> (engine params on the rollout mesh, bytes). update: trainer.make_rl_step.
-  reward_fn: (answers, response tokens [N, R]) -> rewards [N]. reference: the KL anchor's params.
+  logprobs / take_rows: trainer.make_rl_logprobs / make_take_rows (the old log-probs and the rows of
+  mini-batches). reward_fn: (answers, response tokens [N, R]) -> rewards [N]. reference: the KL anchor's params.
   """
 
   run: RunConfig
   topology: cluster.Topology
   sync: Callable
   update: Callable
+  logprobs: Callable
+  take_rows: Callable
   reward_fn: Callable
   rollout_key: jax.Array
   reference: model.Params | None = None
@@ -139,16 +142,52 @@ class RLStep:
 
   @classmethod
   def build(cls, run: RunConfig, topology, optimizer, reward_fn, rollout_key, reference=None) -> RLStep:
+    mesh, expert_parallel = topology.trainer, topology.expert_parallel
     return cls(
       run=run,
       topology=topology,
       sync=cluster.make_weight_sync(run.mode.rollout.quant, topology.trainer, topology.rollout),
-      update=trainer.make_rl_step(run, optimizer, mesh=topology.trainer, expert_parallel=topology.expert_parallel),
+      update=trainer.make_rl_step(run, optimizer, mesh=mesh, expert_parallel=expert_parallel),
+      logprobs=trainer.make_rl_logprobs(run, mesh=mesh, expert_parallel=expert_parallel),
+      take_rows=trainer.make_take_rows(mesh),
       reward_fn=reward_fn,
       rollout_key=rollout_key,
       reference=reference,
       reference_logprobs=None if reference is None else trainer.make_reference_logprobs(run),
     )
+
+  def optimize(self, step: int, state: trainer.TrainState, batch):
+    """rl.ppo_epochs passes over the rollout batch, each in rl.minibatches shuffled mini-batches
+    (deterministic in seed and step), one update each. Returns (state, metrics as floats).
+
+    Losses and gradient norms are averaged over the updates, `finite` holds if every update was;
+    the mismatch and agreement metrics are those of the parameters the rollout was synced from.
+    """
+    grpo = self.run.grpo
+    behaviour = None
+    if grpo.minibatches > 1:  # later mini-batches see moved parameters: take every old log-prob first
+      old_logp, behaviour = self.logprobs(state.params, batch)
+      batch = dataclasses.replace(batch, old_logp=old_logp)
+    updates, n = [], batch.inputs.shape[0]
+    for epoch in range(grpo.ppo_epochs):
+      rows = [None] if grpo.minibatches == 1 else rl.minibatch_rows(n, grpo.minibatches, self.run.job.seed, step, epoch)
+      for r in rows:
+        first = behaviour is None  # one batch: its first update's forward gives the old log-probs
+        state, logp, m = self.update(state, batch if r is None else self.take_rows(batch, r), first=first)
+        if first:
+          behaviour = m
+          batch = dataclasses.replace(batch, old_logp=logp)
+        updates.append(m)
+    behaviour, updates = jax.device_get((behaviour, updates))
+
+    def combined(key):
+      if key == "finite":
+        return all(bool(m[key]) for m in updates)
+      if key.startswith("loss/") or key == "grad_norm":
+        return float(np.mean([float(m[key]) for m in updates]))
+      return float(behaviour[key])
+
+    return state, {key: combined(key) for key in updates[0]}
 
   def __call__(self, step: int, state: trainer.TrainState, prompts: data.PromptBatch):
     """Rollout, rewards, advantages, update; returns (state, metrics as floats).
@@ -186,19 +225,10 @@ class RLStep:
       batch = dataclasses.replace(batch, ref_logp=self.reference_logprobs(self.reference, batch))
 
     t0 = time.perf_counter()
-    metrics = {}
-    for epoch in range(run.grpo.ppo_epochs):
-      state, logp, m = self.update(state, batch, first=epoch == 0)
-      if epoch == 0:
-        metrics = m  # mismatch metrics: the policy the rollout was synced from
-        batch = dataclasses.replace(batch, old_logp=logp)
-      else:
-        metrics.update({k: v for k, v in m.items() if k.startswith("loss/") or k in ("grad_norm", "finite")})
-    metrics = jax.device_get(metrics)
+    state, metrics = self.optimize(step, state, batch)
     t_train = time.perf_counter() - t0
 
     response_mask = sharding.to_host(result.response_mask)
-    metrics = {k: float(v) for k, v in metrics.items()}
     metrics.update(
       {
         "reward/mean": float(rewards.mean()),
@@ -210,7 +240,6 @@ class RLStep:
         "transfer/guidance_bytes": float(crossed["guidance"]),
         "time/rollout_s": t_rollout,
         "time/train_s": t_train,
-        "finite": bool(metrics["finite"]),
       }
     )
     return state, metrics
