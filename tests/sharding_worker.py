@@ -65,26 +65,12 @@ def pipeline(run: RunConfig, topology: cluster.Topology, steps: int = 2):
   optimizer = trainer.make_optimizer(run.optim, 10)
   state = trainer.init_state(run.model, optimizer, jax.random.key(0), topology.trainer)
   rl_step = train.RLStep.build(run, topology, optimizer, synthetic_rewards, jax.random.key(7))
-  generate = cluster.make_generate(topology.rollout)
   batch = prompts()
   out = {"metrics": [], "tokens": [], "logprobs": [], "bytes": []}
   for step in range(steps):
-    # The same rollout as the step's own (same params, key and prompts), kept for the comparison.
-    engine, _ = rl_step.sync(state.params)
-    host = (np.repeat(batch.tokens, G, axis=0), np.repeat(batch.mask, G, axis=0))
-    p, m = sharding.host_to_global(host, sharding.batch_shardings(host, topology.rollout))
-    result = generate(
-      engine,
-      p,
-      m,
-      jax.random.fold_in(rl_step.rollout_key, step),
-      None,
-      model_config=run.model,
-      rollout_config=run.mode.rollout,
-      sampling=run.sampling,
-      expert_parallel=topology.rollout_expert_parallel,
-    )
-    state, metrics = rl_step(step, state, batch)
+    result, metrics = rl_step.rollout(step, state.params, batch)  # the halves of rl_step(step, state, batch)
+    state, learned = rl_step.learn(step, state, batch, result)
+    metrics.update(learned)
     out["metrics"].append(metrics)
     out["tokens"].append(sharding.to_host(result.tokens))
     out["logprobs"].append(sharding.to_host(result.logprobs))
@@ -97,6 +83,7 @@ def pipeline(run: RunConfig, topology: cluster.Topology, steps: int = 2):
     )
   out["params"] = sharding.to_host(state.params)
   out["state"] = state
+  engine, _ = rl_step.sync(state.params)
   out["engine_sharding"] = str(jax.tree_util.tree_leaves(engine)[-3].sharding.spec)
   return out
 

@@ -146,3 +146,27 @@ def test_guidance_bytes_per_tensor_set_from_the_engine_shapes():
   assert table["moe_input (the paper's accounting)"] == {"total": bits(h), "moe_input": bits(h)}
   assert table["all four"]["total"] == bits(h) + bits(k * inter) + 2 * bits(kv)
   assert table["trace_full: full codes, all four, every layer"]["total"] == 2 * 3 * table["all four"]["total"]
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    ({"rl.minibatches": 0}, r"config\.rl\.minibatches: must be >= 1"),
+    ({"rl.minibatches": 3}, r"config\.rl\.minibatches: 3 mini-batches .* 8 x 8 = 64 sequences; it must divide 64"),
+    ({"rl.minibatches": 16, "batch_prompts": 4, "rl.num_generations": 2}, r"4 x 2 = 8 sequences"),
+  ],
+)
+def test_minibatches_must_split_the_rollout_batch(overrides, message):
+  cfg = default.get_config()
+  for key, value in overrides.items():
+    section, _, name = key.rpartition(".")
+    (cfg[section] if section else cfg)[name] = value
+  with pytest.raises(ConfigError, match=message):
+    RunConfig.from_config(cfg)
+
+
+def test_minibatches_that_divide_the_batch_are_accepted():
+  cfg = default.get_config()
+  cfg.rl.minibatches, cfg.rl.ppo_epochs = 4, 2
+  run = RunConfig.from_config(cfg)
+  assert (run.grpo.minibatches, run.grpo.ppo_epochs) == (4, 2)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tokenizers
 
+from trace_jax.config import ConfigError
 from trace_jax.data import (
   LEVELS,
   ArithmeticTask,
@@ -25,9 +26,11 @@ from trace_jax.data import (
   arithmetic_source,
   batch_rewards,
   build_arithmetic_dataset,
+  check_lengths,
   extract_last_number,
   is_test_problem,
   load_tokenizer,
+  longest_example,
   reward_fn,
 )
 
@@ -59,6 +62,16 @@ def test_levels_have_their_operand_ranges_and_short_sequences():
     assert operands.min() >= lo and operands.max() <= hi
     assert max(len(tok.encode(ex.prompt)) + 1 for ex in examples) <= 10  # + BOS
     assert max(len(tok.encode(ex.target)) + 1 for ex in examples) <= 8  # + EOS
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_longest_example_bounds_its_level(level):
+  """What the up-front length check relies on: no problem of a level is longer than its longest_example."""
+  longest = longest_example(level)
+  assert longest.difficulty == level and int(longest.answer) == eval(longest.prompt[:-1])
+  examples = ArithmeticTask((level,)).generate(seed=2, n=2000)
+  assert max(len(ex.prompt) for ex in examples) == len(longest.prompt)
+  assert max(len(ex.target) for ex in examples) == len(longest.target)
 
 
 def test_generation_is_deterministic_by_seed_and_mixes_levels():
@@ -385,6 +398,21 @@ def test_prompt_batcher_reads_tfds_sources(tfds_builder):
   batch = PromptBatcher(tfds_builder.as_data_source("train"), CharTokenizer(), 16, 10, seed=0).batch_at(0)
   assert all(isinstance(p, str) for p in batch.prompts)
   assert all(int(a) == eval(p[:-1]) for p, a in zip(batch.prompts, batch.answers))
+
+
+def test_check_lengths_names_the_field_and_the_fix():
+  """Level 4's "99+99-10=" -> "198;188": 10 prompt tokens with BOS, 8 answer tokens with EOS."""
+  tok = CharTokenizer()
+  examples = {f"level {level}": longest_example(level) for level in (1, 2, 3, 4)}
+  check_lengths(examples, tok, max_prompt_len=10, max_new_tokens=8)  # fits exactly
+  with pytest.raises(ConfigError, match=r"^config\.rollout\.max_new_tokens: answers of level 4 need 8 tokens with EOS"):
+    check_lengths(examples, tok, max_prompt_len=10, max_new_tokens=7)
+  with pytest.raises(ConfigError, match=r"config\.rollout\.max_new_tokens: .*raise it to >= 6"):
+    check_lengths({k: examples[k] for k in ("level 1", "level 2")}, tok, max_prompt_len=10, max_new_tokens=5)
+  with pytest.raises(
+    ConfigError, match=r"^config\.data\.max_prompt_len: prompts of level 4 need 10 tokens with BOS.*>= 10"
+  ):
+    check_lengths(examples, tok, max_prompt_len=9, max_new_tokens=8)
 
 
 def test_sft_batch_layout():

@@ -101,6 +101,18 @@ def test_group_advantages_keep_groups_apart():
   np.testing.assert_allclose(rl.group_advantages(rewards, 2, normalize_std=False), [-0.5, 0.5, -0.5, 0.5])
 
 
+def test_minibatch_rows_partition_a_shuffle_deterministically():
+  rows = rl.minibatch_rows(12, 3, seed=0, step=5, epoch=1)
+  assert rows.shape == (3, 4) and rows.dtype == np.int32
+  np.testing.assert_array_equal(np.sort(rows.reshape(-1)), np.arange(12))  # every sequence once
+  np.testing.assert_array_equal(rows, rl.minibatch_rows(12, 3, seed=0, step=5, epoch=1))
+  others = [rl.minibatch_rows(12, 3, *args) for args in ((1, 5, 1), (0, 6, 1), (0, 5, 2))]
+  assert all(not np.array_equal(rows, o) for o in others)  # a new shuffle per seed, step and epoch
+  np.testing.assert_array_equal(rl.minibatch_rows(12, 1, 0, 5, 1)[0], rows.reshape(-1))  # one shuffle, split
+  with pytest.raises(ValueError, match="5 mini-batches cannot split 12"):
+    rl.minibatch_rows(12, 5, 0, 0, 0)
+
+
 @pytest.mark.parametrize("normalize_std", [True, False])
 def test_group_advantages_of_a_constant_group_are_zero(normalize_std):
   rewards = jnp.asarray([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.5])

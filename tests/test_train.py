@@ -32,7 +32,7 @@ from tensorboardX.record_writer import masked_crc32c
 from configs import default
 from experiments import sweep
 from tests.tiny import TINY
-from trace_jax import checkpoint, experience, model, rollout, train, trainer
+from trace_jax import checkpoint, cluster, experience, model, rollout, train, trainer
 from trace_jax.config import MODES, ConfigError, RunConfig
 from trace_jax.metrics_writer import read_metrics
 
@@ -306,6 +306,48 @@ def test_other_modes_trace_an_rl_step(mode, data_dir):
   assert not missing, missing
 
 
+# --- PPO updates per rollout batch ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_rl_step(data_dir):
+  """(minibatches, ppo_epochs) -> metrics of one RL step from a fresh init, at a large learning rate,
+  with rewards 0, 1 in every group (so that every advantage is +-1 and the policy moves)."""
+
+  def run_one(minibatches, ppo_epochs):
+    overrides = {"optim.learning_rate": 0.03, "optim.warmup_steps": 0, "rl.kl_coef": 0.0}
+    cfg = tiny_config(data_dir, **overrides, **{"rl.minibatches": minibatches, "rl.ppo_epochs": ppo_epochs})
+    run = RunConfig.from_config(cfg)
+    tokenizer, source, _ = train.load_data(run.data)
+    run = run.with_tokenizer(tokenizer)
+    topology = cluster.Topology.single_device()
+    optimizer = trainer.make_optimizer(run.optim, run.job.steps)
+    state = trainer.init_state(run.model, optimizer, jax.random.key(0), topology.trainer)
+    rewards = lambda answers, responses: (np.arange(len(answers)) % 2).astype(np.float32)
+    rl_step = train.RLStep.build(run, topology, optimizer, rewards, jax.random.key(1))
+    prompts = train.data.PromptBatcher(source, tokenizer, run.job.batch_prompts, run.data.max_prompt_len).batch_at(0)
+    _, metrics = rl_step(0, state, prompts)
+    return {k: v for k, v in metrics.items() if not k.startswith("time/")}
+
+  return run_one
+
+
+def test_the_ppo_clip_acts_only_after_the_first_update(one_rl_step):
+  """One update per rollout batch: the ratio is exactly 1 and nothing clips. Mini-batches (the
+  second sees parameters the first moved) or a second epoch: it clips. The mismatch and agreement
+  metrics are the pre-update policy's in every setting, and mini-batches are deterministic."""
+  single = one_rl_step(1, 1)
+  assert single["loss/clip_frac"] == 0.0 and single["finite"] is True
+  behaviour = {k: v for k, v in single.items() if k.startswith(("mismatch/", "agreement/", "routing_agreement/"))}
+  runs = {setting: one_rl_step(*setting) for setting in ((2, 1), (1, 2))}
+  for setting, metrics in runs.items():
+    assert metrics["loss/clip_frac"] > 0.0 and metrics["finite"] is True, setting
+    assert set(metrics) == set(single)
+    for k, v in behaviour.items():
+      assert metrics[k] == pytest.approx(v, rel=1e-5, nan_ok=True), (k, setting)
+  assert json.dumps(one_rl_step(2, 1)) == json.dumps(runs[2, 1])
+
+
 # --- determinism and resume -----------------------------------------------------------------
 
 
@@ -436,6 +478,34 @@ def test_inconsistent_config_is_refused_before_anything_is_written(overrides, fi
   with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
     train.train_and_evaluate(tiny_config(data_dir, **overrides), str(workdir))
   assert not workdir.exists()
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    ({"rollout.max_new_tokens": 7}, r"config\.rollout\.max_new_tokens: answers of level 4 need 8 tokens with EOS"),
+    ({"data.max_prompt_len": 9}, r"config\.data\.max_prompt_len: prompts of level 4 need 10 tokens with BOS"),
+  ],
+)
+def test_a_task_longer_than_the_lengths_is_refused_before_any_work(overrides, message, tmp_path):
+  """Refused with the field and the fix before the task is built, SFT runs or the workdir is written."""
+  data_dir, workdir = tmp_path / "tfds", tmp_path / "run"
+  cfg = tiny_config(str(data_dir), **{"data.levels": (3, 4), **overrides})
+  with pytest.raises(ConfigError, match=message + r".*raise it to >= (8|10)\."):
+    train.train_and_evaluate(cfg, str(workdir))
+  assert not workdir.exists() and not data_dir.exists()
+
+
+def test_level_4_answers_fill_the_response_and_train(tmp_path, no_eval):
+  """A level-4 target with its EOS is 8 tokens, all that max_new_tokens = 8 lets the rollout generate:
+  SFT must train on it (it used to stop at 7 tokens and raise) and RL runs."""
+  cfg = tiny_config(str(tmp_path / "tfds"), steps=1, **{"data.levels": (3, 4)})
+  run = RunConfig.from_config(cfg)
+  tokenizer, source, _ = train.load_data(run.data)
+  batcher = train.data.SFTBatcher(source, tokenizer, cfg.sft.batch_size, cfg.data.max_prompt_len, 8, seed=cfg.seed)
+  assert any(batcher.batch_at(i).loss_mask.sum(1).max() == 8 for i in range(cfg.sft.steps))
+  summary = train.train_and_evaluate(cfg, str(tmp_path / "run"))
+  assert summary["steps"] == 1 and read_metrics(str(tmp_path / "run"))[0]["finite"] is True
 
 
 def test_unknown_config_field_is_refused(data_dir, tmp_path):

@@ -294,7 +294,13 @@ def deeper_layers(num_layers: int, fraction: float) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
-  """num_generations: G samples per prompt. tis_cap: C in min(pi_train / pi_rollout, C) (0 = off)."""
+  """num_generations: G samples per prompt. tis_cap: C in min(pi_train / pi_rollout, C) (0 = off).
+
+  ppo_epochs: passes over each rollout batch; minibatches: shuffled mini-batches per pass, one
+  optimizer update each (as verl and Tunix do). With more than one update the PPO ratio moves
+  away from 1 and the clip can act; the old log-probs of the ratio, the TIS weight and the
+  mismatch metrics are the trainer's before the first update of the batch.
+  """
 
   num_generations: int = 8
   clip_eps: float = 0.2
@@ -305,6 +311,7 @@ class GRPOConfig:
   routing_replay: bool = True  # R3
   aux_loss_coef: float = 0.0
   ppo_epochs: int = 1
+  minibatches: int = 1
 
   def __post_init__(self):
     if self.num_generations < 2:
@@ -317,6 +324,8 @@ class GRPOConfig:
       _fail("rl.tis_cap", f"must be >= 0 (0 = TIS off), got {self.tis_cap}.")
     if self.ppo_epochs < 1:
       _fail("rl.ppo_epochs", f"must be >= 1, got {self.ppo_epochs}.")
+    if self.minibatches < 1:
+      _fail("rl.minibatches", f"must be >= 1, got {self.minibatches}.")
 
 
 MODES = ("bf16", "fp4", "qat", "qat_w4a16", "trace", "trace_full")
@@ -574,6 +583,15 @@ class RunConfig:
   mesh: MeshConfig
   distributed: DistributedConfig
   mode: ModeConfig
+
+  def __post_init__(self):
+    sequences = self.job.batch_prompts * self.grpo.num_generations
+    if sequences % self.grpo.minibatches:
+      _fail(
+        "rl.minibatches",
+        f"{self.grpo.minibatches} mini-batches cannot split a rollout batch of batch_prompts x rl.num_generations = "
+        f"{self.job.batch_prompts} x {self.grpo.num_generations} = {sequences} sequences; it must divide {sequences}.",
+      )
 
   @classmethod
   def from_config(cls, cfg: ml_collections.ConfigDict, tokenizer=None) -> RunConfig:

@@ -1,11 +1,12 @@
-"""GRPO pieces: group advantages, the PPO-clip loss with token-level TIS and KL, and the
-train-rollout mismatch metrics of SPEC section 6. Pure functions over arrays.
+"""GRPO pieces: group advantages, mini-batch shuffles, the PPO-clip loss with token-level TIS and
+KL, and the train-rollout mismatch metrics of SPEC section 6. Pure functions over arrays.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from trace_jax.config import GRPOConfig
 
@@ -17,6 +18,15 @@ def group_advantages(rewards: jax.Array, num_generations: int, normalize_std: bo
   if normalize_std:
     adv = adv / (jnp.std(r, axis=1, keepdims=True) + eps)
   return adv.reshape(-1)
+
+
+def minibatch_rows(num_sequences: int, minibatches: int, seed: int, step: int, epoch: int) -> np.ndarray:
+  """[minibatches, num_sequences / minibatches] rows of a rollout batch: a shuffle of its sequences,
+  deterministic in (seed, step, epoch), split into equal mini-batches."""
+  if num_sequences % minibatches:
+    raise ValueError(f"{minibatches} mini-batches cannot split {num_sequences} sequences evenly.")
+  order = np.random.default_rng([seed, step, epoch]).permutation(num_sequences).astype(np.int32)
+  return order.reshape(minibatches, -1)
 
 
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:

@@ -29,13 +29,26 @@ from trace_jax.config import DataConfig, QuantConfig, RunConfig
 from trace_jax.metrics_writer import read_metrics
 
 
-def load_data(cfg: DataConfig):
-  """(tokenizer, train source, test source) for the configured task."""
+def load_data(cfg: DataConfig, max_new_tokens: int | None = None):
+  """(tokenizer, train source, test source) for the configured task.
+
+  max_new_tokens: also refuse (data.check_lengths), before the arithmetic task is built, prompts
+  longer than data.max_prompt_len and answers the rollout cannot finish in max_new_tokens. The
+  arithmetic task is checked on each level's longest problem (exact for the character tokenizer),
+  JSONL files line by line.
+  """
   tokenizer = data.load_tokenizer(cfg.tokenizer or None)
+
+  def check(examples):
+    if max_new_tokens is not None:
+      data.check_lengths(examples, tokenizer, cfg.max_prompt_len, max_new_tokens)
+
   if cfg.jsonl_train:
     train = data.JsonlSource(cfg.jsonl_train)
     test = data.JsonlSource(cfg.jsonl_test) if cfg.jsonl_test else train
+    check({f"{src.path}:{ex.metadata['line']}": ex for src in (train, test) for ex in src})
     return tokenizer, train, test
+  check({f"level {level}": data.longest_example(level) for level in cfg.levels})
   kwargs = dict(
     data_dir=cfg.data_dir or None,
     levels=tuple(cfg.levels),
@@ -66,7 +79,7 @@ def sft_warm_start(params, run: RunConfig, tokenizer, source, *, cache: str = ""
     tokenizer,
     run.sft.batch_size,
     run.data.max_prompt_len,
-    run.sampling.max_new_tokens - 1,
+    run.sampling.max_new_tokens,  # the rollout's response: up to max_new_tokens, EOS included
     seed=run.job.seed,
   )
   for i in tqdm(range(steps), desc="sft", leave=False, disable=not job.is_lead()):
@@ -112,14 +125,17 @@ class RLStep:
   """One GRPO step, `state, metrics = rl_step(step, state, prompts)`: what every step reuses.
 
   sync: trainer params -> (engine params on the rollout mesh, bytes). update: trainer.make_rl_step.
-  reward_fn: (answers, response tokens [N, R]) -> (rewards [N], whether each response is undecodable [N]).
-  reference: the KL anchor's params.
+  logprobs / take_rows: trainer.make_rl_logprobs / make_take_rows (the old log-probs and the rows of
+  mini-batches). reward_fn: (answers, response tokens [N, R]) -> (rewards [N], whether each response is
+  undecodable [N]). reference: the KL anchor's params.
   """
 
   run: RunConfig
   topology: cluster.Topology
   sync: Callable
   update: Callable
+  logprobs: Callable
+  take_rows: Callable
   reward_fn: Callable
   rollout_key: jax.Array
   reference: model.Params | None = None
@@ -127,30 +143,69 @@ class RLStep:
 
   @classmethod
   def build(cls, run: RunConfig, topology, optimizer, reward_fn, rollout_key, reference=None) -> RLStep:
+    mesh, expert_parallel = topology.trainer, topology.expert_parallel
     return cls(
       run=run,
       topology=topology,
       sync=cluster.make_weight_sync(run.mode.rollout.quant, topology.trainer, topology.rollout),
-      update=trainer.make_rl_step(run, optimizer, mesh=topology.trainer, expert_parallel=topology.expert_parallel),
+      update=trainer.make_rl_step(run, optimizer, mesh=mesh, expert_parallel=expert_parallel),
+      logprobs=trainer.make_rl_logprobs(run, mesh=mesh, expert_parallel=expert_parallel),
+      take_rows=trainer.make_take_rows(mesh),
       reward_fn=reward_fn,
       rollout_key=rollout_key,
       reference=reference,
       reference_logprobs=None if reference is None else trainer.make_reference_logprobs(run),
     )
 
-  def __call__(self, step: int, state: trainer.TrainState, prompts: data.PromptBatch):
-    """Rollout, rewards, advantages, update; returns (state, metrics as floats).
+  def optimize(self, step: int, state: trainer.TrainState, batch):
+    """rl.ppo_epochs passes over the rollout batch, each in rl.minibatches shuffled mini-batches
+    (deterministic in seed and step), one update each. Returns (state, metrics as floats).
 
-    The engine runs on the rollout mesh; its results (tokens, log-probs, routing, guidance) are
-    resharded onto the trainer mesh, and the bytes that crossed are reported.
+    Losses and gradient norms are averaged over the updates, `finite` holds if every update was;
+    the mismatch and agreement metrics are those of the parameters the rollout was synced from.
+    """
+    grpo = self.run.grpo
+    behaviour = None
+    if grpo.minibatches > 1:  # later mini-batches see moved parameters: take every old log-prob first
+      old_logp, behaviour = self.logprobs(state.params, batch)
+      batch = dataclasses.replace(batch, old_logp=old_logp)
+    updates, n = [], batch.inputs.shape[0]
+    for epoch in range(grpo.ppo_epochs):
+      rows = [None] if grpo.minibatches == 1 else rl.minibatch_rows(n, grpo.minibatches, self.run.job.seed, step, epoch)
+      for r in rows:
+        first = behaviour is None  # one batch: its first update's forward gives the old log-probs
+        state, logp, m = self.update(state, batch if r is None else self.take_rows(batch, r), first=first)
+        if first:
+          behaviour = m
+          batch = dataclasses.replace(batch, old_logp=logp)
+        updates.append(m)
+    behaviour, updates = jax.device_get((behaviour, updates))
+
+    def combined(key):
+      if key == "finite":
+        return all(bool(m[key]) for m in updates)
+      if key.startswith("loss/") or key == "grad_norm":
+        return float(np.mean([float(m[key]) for m in updates]))
+      return float(behaviour[key])
+
+    return state, {key: combined(key) for key in updates[0]}
+
+  def __call__(self, step: int, state: trainer.TrainState, prompts: data.PromptBatch):
+    """Rollout, then rewards, advantages and updates; returns (state, metrics as floats)."""
+    result, rollout_metrics = self.rollout(step, state.params, prompts)
+    state, metrics = self.learn(step, state, prompts, result)
+    return state, {**metrics, **rollout_metrics}
+
+  def rollout(self, step: int, params, prompts: data.PromptBatch):
+    """The engine's half: weight sync, then G samples per prompt on the rollout mesh.
+
+    Returns (RolloutResult on the rollout mesh, metrics: the bytes that crossed meshes, the time).
     """
     run, topology, G = self.run, self.topology, self.run.grpo.num_generations
     host = (np.repeat(prompts.tokens, G, axis=0), np.repeat(prompts.mask, G, axis=0))
     prompt_tokens, prompt_mask = sharding.host_to_global(host, sharding.batch_shardings(host, topology.rollout))
-    answers = [a for a in prompts.answers for _ in range(G)]
-
     t0 = time.perf_counter()
-    engine_params, sync_bytes = self.sync(state.params)
+    engine_params, sync_bytes = self.sync(params)
     result = cluster.make_generate(topology.rollout)(
       engine_params,
       prompt_tokens,
@@ -162,9 +217,15 @@ class RLStep:
       sampling=run.sampling,
       expert_parallel=topology.rollout_expert_parallel,
     )
-    tokens = sharding.to_host(result.tokens)
-    t_rollout = time.perf_counter() - t0
+    jax.block_until_ready(result.tokens)
+    return result, {"transfer/weight_sync_bytes": float(sync_bytes), "time/rollout_s": time.perf_counter() - t0}
 
+  def learn(self, step: int, state: trainer.TrainState, prompts: data.PromptBatch, result):
+    """The trainer's half: rewards, advantages, the batch moved onto the trainer mesh (with the
+    bytes that crossed), and the updates. Returns (state, metrics as floats)."""
+    run, topology, G = self.run, self.topology, self.run.grpo.num_generations
+    answers = [a for a in prompts.answers for _ in range(G)]
+    tokens = sharding.to_host(result.tokens)
     rewards, invalid = self.reward_fn(answers, tokens[:, prompts.tokens.shape[1] :])
     advantages = np.asarray(rl.group_advantages(jnp.asarray(rewards), G, run.grpo.normalize_std))
     batch, crossed = cluster.to_trainer(result, run.grpo.routing_replay, topology.trainer)
@@ -174,19 +235,10 @@ class RLStep:
       batch = dataclasses.replace(batch, ref_logp=self.reference_logprobs(self.reference, batch))
 
     t0 = time.perf_counter()
-    metrics = {}
-    for epoch in range(run.grpo.ppo_epochs):
-      state, logp, m = self.update(state, batch, first=epoch == 0)
-      if epoch == 0:
-        metrics = m  # mismatch metrics: the policy the rollout was synced from
-        batch = dataclasses.replace(batch, old_logp=logp)
-      else:
-        metrics.update({k: v for k, v in m.items() if k.startswith("loss/") or k in ("grad_norm", "finite")})
-    metrics = jax.device_get(metrics)
+    state, metrics = self.optimize(step, state, batch)
     t_train = time.perf_counter() - t0
 
     response_mask = sharding.to_host(result.response_mask)
-    metrics = {k: float(v) for k, v in metrics.items()}
     metrics.update(
       {
         "reward/mean": float(rewards.mean()),
@@ -198,12 +250,9 @@ class RLStep:
           f"guidance/bytes_per_token/{name}": float(n)
           for name, n in experience.guidance_bytes_per_token(result.guidance).items()
         },
-        "transfer/weight_sync_bytes": float(sync_bytes),
         "transfer/rollout_to_trainer_bytes": float(crossed["rollout_to_trainer"]),
         "transfer/guidance_bytes": float(crossed["guidance"]),
-        "time/rollout_s": t_rollout,
         "time/train_s": t_train,
-        "finite": bool(metrics["finite"]),
       }
     )
     return state, metrics
@@ -217,7 +266,7 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
   """
   run = RunConfig.from_config(cfg)
   sharding.initialize_distributed(**dataclasses.asdict(run.distributed))
-  tokenizer, train_source, test_source = load_data(run.data)
+  tokenizer, train_source, test_source = load_data(run.data, run.sampling.max_new_tokens)
   run = run.with_tokenizer(tokenizer)
   topology = cluster.Topology.from_config(run.mesh)
   job.check_workdir(cfg, workdir)

@@ -135,17 +135,12 @@ def make_reference_logprobs(run: RunConfig):
   return jax.jit(ref_logprobs)
 
 
-def make_rl_step(run: RunConfig, optimizer, *, mesh=None, expert_parallel=None):
-  """The jitted, donated GRPO step: QAT forward (guided per the mode), loss, update, metrics.
-
-  mesh: jit with explicit in/out shardings on the trainer mesh (a 1-device mesh is the
-  single-device case). expert_parallel: the MoE layers run expert parallel over its mesh
-  (moe_impl='ep'), and the dropped assignments are reported as `moe/dropped_tokens`.
-  """
-  ctx, grpo, config = qat_context(run), run.grpo, run.model
+def _rl_forward(run: RunConfig, expert_parallel):
+  """(params, batch) -> (log-probs of the targets, ForwardAux): the QAT forward (guided per the mode)."""
+  ctx, config = qat_context(run), run.model
   moe_impl = "sorted" if expert_parallel is None else "ep"
 
-  def loss_fn(params, batch: TrainBatch, first: bool):
+  def forward(params, batch: TrainBatch):
     logits, aux = model.forward(
       params,
       batch.inputs,
@@ -158,7 +153,38 @@ def make_rl_step(run: RunConfig, optimizer, *, mesh=None, expert_parallel=None):
       expert_parallel=expert_parallel,
       stats_mask=measured_positions(batch),
     )
-    logp = model.token_logprobs(logits, batch.targets, run.sampling)  # the policy that sampled
+    return model.token_logprobs(logits, batch.targets, run.sampling), aux  # the policy that sampled
+
+  return forward
+
+
+def _behaviour_metrics(logp, aux, batch: TrainBatch) -> dict:
+  """Train-rollout mismatch, per-layer code agreement and routing agreement of one forward."""
+  metrics = rl.mismatch_metrics(jax.lax.stop_gradient(logp), batch.rollout_logp, batch.loss_mask)
+  for i, layer_stats in enumerate(aux.quant_stats):
+    for name, s in layer_stats.items():
+      metrics[f"agreement/{name}/layer{i}"] = jnp.where(s.total > 0, s.matches / jnp.maximum(s.total, 1), jnp.nan)
+  for i, router_logits in enumerate(aux.router_logits):
+    if router_logits is not None:
+      metrics[f"routing_agreement/layer{i}"] = rl.routing_agreement(
+        router_logits, batch.rollout_ids[i], measured_positions(batch)
+      )
+  return metrics
+
+
+def make_rl_step(run: RunConfig, optimizer, *, mesh=None, expert_parallel=None):
+  """The jitted, donated GRPO step: QAT forward (guided per the mode), loss, update, metrics.
+
+  `step(state, batch, first)` -> (state, log-probs before the update, metrics). first=True: the
+  PPO ratio's old log-probs are this forward's own (the batch's first update); else batch.old_logp.
+  mesh: jit with explicit in/out shardings on the trainer mesh (a 1-device mesh is the
+  single-device case). expert_parallel: the MoE layers run expert parallel over its mesh
+  (moe_impl='ep'), and the dropped assignments are reported as `moe/dropped_tokens`.
+  """
+  grpo, forward = run.grpo, _rl_forward(run, expert_parallel)
+
+  def loss_fn(params, batch: TrainBatch, first: bool):
+    logp, aux = forward(params, batch)
     old = jax.lax.stop_gradient(logp) if first else batch.old_logp
     loss, metrics = rl.grpo_loss(logp, old, batch.rollout_logp, batch.advantages, batch.loss_mask, grpo, batch.ref_logp)
     if grpo.aux_loss_coef:
@@ -172,17 +198,54 @@ def make_rl_step(run: RunConfig, optimizer, *, mesh=None, expert_parallel=None):
     (loss, (logp, aux, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, first)
     state, grad_norm, finite = _apply(state, grads, loss, optimizer)
     metrics.update({"loss/total": loss, "grad_norm": grad_norm, "finite": finite})
-    metrics.update(rl.mismatch_metrics(jax.lax.stop_gradient(logp), batch.rollout_logp, batch.loss_mask))
-    for i, layer_stats in enumerate(aux.quant_stats):
-      for name, s in layer_stats.items():
-        metrics[f"agreement/{name}/layer{i}"] = jnp.where(s.total > 0, s.matches / jnp.maximum(s.total, 1), jnp.nan)
-    for i, router_logits in enumerate(aux.router_logits):
-      if router_logits is not None:
-        metrics[f"routing_agreement/layer{i}"] = rl.routing_agreement(
-          router_logits, batch.rollout_ids[i], measured_positions(batch)
-        )
+    metrics.update(_behaviour_metrics(logp, aux, batch))
     return state, jax.lax.stop_gradient(logp), metrics
 
   if mesh is None:
     return jax.jit(step, donate_argnums=0, static_argnames="first")
   return _sharded_step(step, optimizer, mesh, out_batch=True)
+
+
+def make_rl_logprobs(run: RunConfig, *, mesh=None, expert_parallel=None):
+  """(params, batch) -> (log-probs, metrics): the QAT forward of a rollout batch before any update.
+
+  With mini-batches, later updates see moved parameters, so the PPO ratio's old log-probs (and
+  the TIS weight built on them) come from this pass, as do the mismatch and agreement metrics.
+  """
+  forward = _rl_forward(run, expert_parallel)
+
+  def logprobs(params, batch: TrainBatch):
+    logp, aux = forward(params, batch)
+    metrics = _behaviour_metrics(logp, aux, batch)
+    if aux.dropped_tokens is not None:
+      metrics["moe/dropped_tokens"] = aux.dropped_tokens
+    return logp, metrics
+
+  if mesh is None:
+    return jax.jit(logprobs)
+  return sharding.ShardedJit(
+    logprobs,
+    in_shardings=lambda params, batch: (
+      sharding.logical_shardings(params, mesh),
+      sharding.batch_shardings(batch, mesh),
+    ),
+    out_shardings=lambda params, batch, out_shape: (
+      sharding.batch_shardings(out_shape[0], mesh),
+      sharding.replicated(mesh),
+    ),
+  )
+
+
+def make_take_rows(mesh=None):
+  """(batch, rows [M]) -> the batch's rows `rows` (a mini-batch), laid out on `mesh` like a batch."""
+
+  def take(batch: TrainBatch, rows):
+    return jax.tree_util.tree_map(lambda a: a[rows] if a.ndim else a, batch)
+
+  if mesh is None:
+    return jax.jit(take)
+  return sharding.ShardedJit(
+    take,
+    in_shardings=lambda batch, rows: (sharding.batch_shardings(batch, mesh), sharding.replicated(mesh)),
+    out_shardings=lambda batch, rows, out_shape: sharding.batch_shardings(out_shape, mesh),
+  )

@@ -7,7 +7,7 @@ Self-contained (no model imports): config -> data -> rollout -> train.
   rewards.py       RewardConfig, reward_fn, batch_rewards, invalid_responses, numeric answer extraction
   tfds_builder.py  TraceArithmetic (array_record, no TensorFlow), build_arithmetic_dataset
   jsonl.py         JsonlSource for {"prompt", "answer"} lines
-  batching.py      PromptBatcher (left-padded prompts), SFTBatcher, both deterministic in (seed, step)
+  batching.py      PromptBatcher (left-padded prompts), SFTBatcher, both deterministic in (seed, step); check_lengths
 """
 
 from trace_jax.data.batching import (
@@ -16,6 +16,7 @@ from trace_jax.data.batching import (
   PromptBatcher,
   SFTBatch,
   SFTBatcher,
+  check_lengths,
   encode_prompts,
   encode_sft,
 )
@@ -29,7 +30,15 @@ from trace_jax.data.rewards import (
   numbers_equal,
   reward_fn,
 )
-from trace_jax.data.tasks import LEVELS, ArithmeticTask, DataSource, Example, as_example, is_test_problem
+from trace_jax.data.tasks import (
+  LEVELS,
+  ArithmeticTask,
+  DataSource,
+  Example,
+  as_example,
+  is_test_problem,
+  longest_example,
+)
 from trace_jax.data.tfds_builder import (
   ArithmeticConfig,
   TraceArithmetic,
@@ -62,6 +71,7 @@ __all__ = [
   "as_example",
   "batch_rewards",
   "build_arithmetic_dataset",
+  "check_lengths",
   "default_data_dir",
   "encode_prompts",
   "encode_sft",
@@ -69,6 +79,7 @@ __all__ = [
   "invalid_responses",
   "is_test_problem",
   "load_tokenizer",
+  "longest_example",
   "numbers_equal",
   "reward_fn",
 ]

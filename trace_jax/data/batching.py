@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from trace_jax.config import ConfigError
 from trace_jax.data.tasks import DataSource, Example, as_example
 from trace_jax.data.tokenizer import Tokenizer
 
@@ -99,6 +100,29 @@ def _prompt_ids(ex: Example, tokenizer: Tokenizer) -> list[int]:
 
 def _too_long(what: str, index: int, length: int, limit: int) -> ValueError:
   return ValueError(f"example {index}: {what} is {length} tokens, over the limit of {limit}")
+
+
+def check_lengths(examples: Mapping[str, Example], tokenizer: Tokenizer, max_prompt_len: int, max_new_tokens: int):
+  """Refuse, before any work, a task that does not fit the configured lengths: a ConfigError naming the field.
+
+  A prompt (with BOS) must fit data.max_prompt_len, and a target with its EOS must fit the
+  rollout's response, which is up to rollout.max_new_tokens tokens, EOS included.
+  examples: the examples to check, by the name the message gives them ('level 4', 'train.jsonl:12').
+  """
+  prompt = lambda ex: len(_prompt_ids(ex, tokenizer))
+  answer = lambda ex: len(tokenizer.encode(ex.target)) + 1
+  bos = "" if tokenizer.bos_id is None else " with BOS"
+  for what, length, field, limit, suffix in (
+    ("prompts", prompt, "data.max_prompt_len", max_prompt_len, bos),
+    ("answers", answer, "rollout.max_new_tokens", max_new_tokens, " with EOS"),
+  ):
+    needs = {name: length(ex) for name, ex in examples.items()}
+    name = max(needs, key=needs.get)
+    if needs[name] > limit:
+      raise ConfigError(
+        f"config.{field}: {what} of {name} need {needs[name]} tokens{suffix}, over the limit of {limit}; "
+        f"raise it to >= {needs[name]}."
+      )
 
 
 def encode_prompts(

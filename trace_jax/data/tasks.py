@@ -94,8 +94,22 @@ def _format(level: int, a: int, b: int, c: int) -> Example:
   )
 
 
+def _operand_range(level: int) -> tuple[int, int]:
+  """[lo, hi): one digit at levels 1-2, two digits at levels 3-4."""
+  return (0, 10) if level in (1, 2) else (10, 100)
+
+
+def longest_example(level: int) -> Example:
+  """The level's longest prompt and longest target, in one problem: the largest operands and the
+  smallest subtrahend (what a config's lengths must fit; see train.check_lengths)."""
+  if level not in LEVELS:
+    raise ValueError(f"level must be one of {LEVELS}, got {level}")
+  lo, hi = _operand_range(level)
+  return _format(level, hi - 1, hi - 1, lo)
+
+
 def _draw_level(rng: np.random.Generator, level: int, n: int) -> list[Example]:
-  lo, hi = (0, 10) if level in (1, 2) else (10, 100)
+  lo, hi = _operand_range(level)
   a = rng.integers(lo, hi, n)
   b = rng.integers(lo, hi, n)
   # c uniform in [lo, min(hi - 1, a + b)]: the answer stays non-negative.
