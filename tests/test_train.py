@@ -323,7 +323,7 @@ def one_rl_step(data_dir):
     topology = cluster.Topology.single_device()
     optimizer = trainer.make_optimizer(run.optim, run.job.steps)
     state = trainer.init_state(run.model, optimizer, jax.random.key(0), topology.trainer)
-    rewards = lambda answers, responses: (np.arange(len(answers)) % 2).astype(np.float32)
+    rewards = lambda answers, responses: ((np.arange(len(answers)) % 2).astype(np.float32), np.zeros(len(answers), bool))
     rl_step = train.RLStep.build(run, topology, optimizer, rewards, jax.random.key(1))
     prompts = train.data.PromptBatcher(source, tokenizer, run.job.batch_prompts, run.data.max_prompt_len).batch_at(0)
     _, metrics = rl_step(0, state, prompts)
