@@ -170,3 +170,12 @@ def test_minibatches_that_divide_the_batch_are_accepted():
   cfg.rl.minibatches, cfg.rl.ppo_epochs = 4, 2
   run = RunConfig.from_config(cfg)
   assert (run.grpo.minibatches, run.grpo.ppo_epochs) == (4, 2)
+
+
+def test_two_level_scaling_is_refused_with_expert_parallelism():
+  cfg = default.get_config()
+  cfg.quant.tensor_scale, cfg.mesh.moe_impl = "batch_amax", "ep"
+  with pytest.raises(ConfigError, match=r"config\.quant\.tensor_scale: .*expert-parallel"):
+    RunConfig.from_config(cfg)
+  cfg.mesh.moe_impl = "sorted"
+  assert RunConfig.from_config(cfg).mode.rollout.quant.two_level

@@ -69,7 +69,8 @@ def ml_dequant(q: fp4.QuantizedArray) -> np.ndarray:
   vals = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
   scales = np.asarray(q.scales).astype(np.float32)
   if q.tensor_scale is not None:
-    scales = np.float32(q.tensor_scale) * scales
+    ts = np.asarray(q.tensor_scale, np.float32)
+    scales = (ts if ts.ndim == 0 else ts[..., None]) * scales
   b = q.fmt.block_size
   with np.errstate(over="ignore"):  # 6 * 2**126 is inf in float32, as in torchao
     return (vals.reshape(*vals.shape[:-1], -1, b) * scales[..., None]).reshape(vals.shape)
@@ -358,6 +359,21 @@ def test_inf_saturates(fmt):
     want = np.float32(6) * np.float32(want_scale)  # inf for MXFP4: 6 * 2**126 overflows float32, as in torchao
   np.testing.assert_array_equal(np.asarray(_dequantize(q))[[0, 1], [1, 2]], [want, -want])
   np.testing.assert_array_equal(np.asarray(q.codes), torchao_ref(x, fmt, "float32")[1])
+
+
+def test_two_level_with_a_tensor_scale_per_row_quantizes_each_row_alone():
+  """Rows quantized in different batches keep their own tensor scale (the engine's KV cache and
+  recorded guidance): one amax per row gives, row by row, torchao's two-level codes, scales and values."""
+  x = wide(np.random.default_rng(8), (6, 64))
+  q = jax.jit(lambda v, a: fp4.quantize(v, "nvfp4", tensor_amax=a))(jnp.asarray(x), jnp.asarray(np.abs(x).max(-1)))
+  assert q.tensor_scale.shape == (6,) and q.nbytes == 6 * 32 + 6 * 4 + 6 * 4
+  deq = np.asarray(_dequantize(q))
+  for r in range(6):
+    scales, codes, want = torchao_ref(x[r : r + 1], "nvfp4", "float32", two_level=True)
+    np.testing.assert_array_equal(u8(q.scales)[r : r + 1], scales, err_msg=f"row {r} scales")
+    np.testing.assert_array_equal(np.asarray(q.codes)[r : r + 1], codes, err_msg=f"row {r} codes")
+    np.testing.assert_array_equal(deq[r : r + 1], want, err_msg=f"row {r} dequantize")
+  np.testing.assert_array_equal(deq, ml_dequant(q))
 
 
 # --- jit and leading axes -----------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Guided FP4 fake-quantization (trace_jax.quantizer): properties of guided rounding, edge cases, STE, guidance size."""
 
+import dataclasses
 import functools
 
 import hypothesis.extra.numpy as hnp
@@ -10,8 +11,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from trace_jax import fp4
-from trace_jax.quantizer import GUIDANCE_FORMS, Guidance, fake_quant, fake_quant_codes, make_guidance
+from trace_jax import fp4, qat
+from trace_jax.config import QuantConfig
+from trace_jax.quantizer import (
+  GUIDANCE_FORMS,
+  Guidance,
+  fake_quant,
+  fake_quant_codes,
+  guidance_from_quantized,
+  make_guidance,
+)
 
 SHAPE = (4, 32)  # fixed, so each jitted function compiles once per guidance form
 NBLOCKS = SHAPE[1] // 16
@@ -295,6 +304,40 @@ def test_axis_argument_equals_transposing():
     assert int(stats.matches) == int(want_stats.matches)
   grad = jax.jit(jax.grad(lambda v: (fake_quant(v, "nvfp4", g, axis=0)[0] * jnp.arange(6.0)).sum()))(x)
   np.testing.assert_array_equal(np.asarray(grad), np.broadcast_to(np.arange(6.0), (32, 6)))
+
+
+# --- two-level NVFP4 ------------------------------------------------------------------------------
+
+
+def test_two_level_guidance_per_row_reproduces_the_rollout_in_every_form():
+  """Two-level NVFP4 as the engine records it: each of T steps quantizes its B rows under the amax of
+  that step, and the tensor scale is kept per row. The trainer (QatContext: rows flattened and
+  vmapped) fed the same values rounds to the rollout's codes in every form; one amax for the whole
+  tensor would not. Its RTN is two-level over its own batch."""
+  rng = np.random.default_rng(5)
+  b, t, k = 4, 3, 32
+  x = (rng.standard_normal((b, t, k)) * np.exp(rng.uniform(-8, 4, (1, t, 1)))).astype(np.float32)
+  steps = [fp4.quantize(jnp.asarray(x[:, i]), "nvfp4", tensor_amax=jnp.max(jnp.abs(x[:, i]))) for i in range(t)]
+  stack = lambda *a: jnp.stack([jnp.broadcast_to(v, a[0].shape) for v in a], axis=1)
+  per_row = lambda *ts: jnp.stack([jnp.broadcast_to(v, (b,)) for v in ts], axis=1)
+  q = fp4.QuantizedArray(
+    stack(*(s.codes for s in steps)), stack(*(s.scales for s in steps)), per_row(*(s.tensor_scale for s in steps)), NV
+  )
+  assert q.tensor_scale.shape == (b, t)
+  whole = fp4.quantize(jnp.asarray(x), "nvfp4", tensor_amax=jnp.max(jnp.abs(x)))
+  assert not np.array_equal(np.asarray(whole.codes), np.asarray(q.codes))  # the per-step scale matters
+  ctx = qat.QatContext(QuantConfig(tensor_scale="batch_amax"), guided=True)
+  run_ctx = jax.jit(lambda v, g: ctx.guided_activation(v, "experts", g))
+  for form in GUIDANCE_FORMS:
+    g = dataclasses.replace(guidance_from_quantized(q, form), codes=q.codes)  # codes to measure agreement
+    assert g.tensor_scale is not None, form
+    values, stats = run_ctx(jnp.asarray(x), g)
+    assert int(stats.matches.sum()) == int(stats.total.sum()) == x.size, form
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(fp4.dequantize(q)), err_msg=form)
+  rtn = jax.jit(lambda v: ctx.activation(v, "experts"))(jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(rtn), np.asarray(fp4.dequantize(whole)))
+  single = qat.QatContext(QuantConfig(), guided=True).activation(jnp.asarray(x), "experts")
+  np.testing.assert_array_equal(np.asarray(single), np.asarray(fp4.dequantize(fp4.quantize(jnp.asarray(x)))))
 
 
 # --- guidance size and validation -------------------------------------------------------------------

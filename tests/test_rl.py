@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trace_jax import experience, rl
+from trace_jax import experience, fp4, rl
 from trace_jax.config import GRPOConfig
 from trace_jax.quantizer import Guidance
 
@@ -298,6 +298,24 @@ def logits_choosing(ids, num_experts):
   logits = np.tile(-np.arange(num_experts, dtype=np.float32) * 0.01, (*ids.shape[:-1], 1))
   np.put_along_axis(logits, ids, 10.0 + np.arange(ids.shape[-1], dtype=np.float32), axis=-1)
   return jnp.asarray(logits)
+
+
+def test_scale_floor_fractions_count_measured_blocks_at_the_e4m3_floor():
+  """Rollout layout [N, T, ...]: the last slot is dropped, masked positions are not counted, MXFP4 is skipped."""
+  tiny, one = fp4.E4M3_TINY, 1.0
+  scales = np.full((2, 4, 2, 3), one, np.float32)  # [N, T, k, blocks], e.g. moe_hidden
+  scales[0, 0, 0, :2] = tiny  # 2 of the 6 blocks at (0, 0)
+  scales[1, 1] = tiny  # all 6 blocks at (1, 1), a masked position
+  scales[:, 3] = tiny  # the last slot, never fed back
+  positions = np.array([[1, 1, 1], [1, 0, 1]], np.int32)  # [N, T-1]
+  e8m0 = jax.lax.bitcast_convert_type(jnp.full((2, 4, 1), 127, jnp.uint8), jnp.float8_e8m0fnu)
+  codes = (
+    {"moe_hidden": Guidance(scales=jnp.asarray(scales, jnp.float8_e4m3fn))},
+    {"moe_input": Guidance(scales=e8m0)},
+  )
+  out = rl.scale_floor_fractions(codes, jnp.asarray(positions))
+  assert set(out) == {"quant/scale_floor_frac/moe_hidden/layer0"}
+  assert float(out["quant/scale_floor_frac/moe_hidden/layer0"]) == pytest.approx(2 / (5 * 6))
 
 
 def test_routing_agreement():

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from tests.test_fp4 import torchao_ref
 from tests.tiny import tiny_model
 from trace_jax import fp4, model, qat, quantizer, rollout
 from trace_jax.config import (
@@ -51,6 +52,11 @@ TRAIN_BF16 = qat.QatContext()
 TRAIN_RTN = qat.QatContext(QUANT, guided=False)
 TRAIN_GUIDED = qat.QatContext(QUANT, guided=True)
 TRAIN_TRACE = qat.QatContext(QUANT, guided=True, guided_layers=deeper_layers(L, 0.5))
+
+QUANT2 = QuantConfig(tensor_scale="batch_amax")  # two-level NVFP4 on activations and K/V
+FP4_FULL2 = dataclasses.replace(FP4_FULL, quant=QUANT2)
+TRAIN_RTN2 = qat.QatContext(QUANT2, guided=False)
+TRAIN_GUIDED2 = qat.QatContext(QUANT2, guided=True)
 
 
 def gen(engine_params, tokens, mask, key, rollout_config, sampling, seq_ids=None):
@@ -335,6 +341,54 @@ def test_trainer_logprobs_follow_the_sampling_temperature(params, batch, top_k):
   assert gaps[0.7, "untempered"] > 10 * gaps[0.7, "tempered"]
 
 
+# --- two-level NVFP4 ------------------------------------------------------------------------------
+
+
+def test_online_two_level_quantization_is_torchaos():
+  """The engine's activation (`_act`) and K/V (`_store`) quantization with quant.tensor_scale='batch_amax'
+  is torchao's two-level NVFP4 with the per-tensor scale of the whole call's batch, kept once per row."""
+  rng = np.random.default_rng(3)
+  for fn, shape in (
+    (lambda v: rollout._act(v, QUANT2, "experts")[1], (6, 64)),
+    (lambda v: rollout._store(v, QUANT2), (2, 3, 2, 32)),
+  ):
+    x = (rng.standard_normal(shape) * np.exp(rng.uniform(-6, 6, (*shape[:-1], 1)))).astype(np.float32)
+    q = jax.jit(fn)(jnp.asarray(x, jnp.bfloat16))
+    scales, codes, _ = torchao_ref(x.reshape(-1, shape[-1]), "nvfp4", "bfloat16", two_level=True)  # torchao: 2-D
+    np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8).reshape(scales.shape), scales)
+    np.testing.assert_array_equal(np.asarray(q.codes).reshape(codes.shape), codes)
+    amax = np.abs(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)).max()
+    np.testing.assert_array_equal(np.asarray(q.tensor_scale), np.full(shape[:-1], np.float32(amax) / np.float32(2688)))
+
+
+@pytest.fixture(scope="module")
+def fp4_two_level(fp4_engine, batch):
+  return gen(fp4_engine, *batch, jax.random.key(5), FP4_FULL2, SAMPLE)
+
+
+def test_two_level_scales_are_per_engine_batch_and_guide_the_trainer(params, fp4_two_level):
+  """The engine's tensor scale is the amax of each forward call: one for the whole prefill, one per
+  decode step, the same for every row of a call. Shipped with the guidance, it lets the guided
+  trainer reproduce the rollout's codes as in single-level NVFP4."""
+  res = fp4_two_level
+  ran = int(np.asarray(res.mask).sum(1).max()) - 1  # slots fed back through the engine: [0, ran)
+  for i in range(L):
+    for name, g in res.codes[i].items():
+      ts = np.asarray(g.tensor_scale).reshape(B, res.tokens.shape[1], -1)[:, :ran]
+      assert np.all(ts > 0), (i, name)
+      assert np.all(ts[:, :P] == ts[0, 0, 0]), (i, name)  # the prefill: one batch
+      assert np.all(ts[:, P:] == ts[:1, P:, :1]), (i, name)  # a decode step: one batch
+      assert len(np.unique(ts)) > 1, (i, name)
+  lp, _, aux = trainer(params, res, TRAIN_GUIDED2, res.guidance, replay=True)
+  rtn_lp, _, rtn_aux = trainer(params, res, TRAIN_RTN2, res.codes, replay=True)
+  (m_g, t_g), (m_rtn, t_rtn) = agreement(aux), agreement(rtn_aux)
+  print(
+    f"\ntwo-level NVFP4: code agreement RTN (own batch amax) {m_rtn / t_rtn:.4f}, guided(full) {m_g / t_g:.4f}; "
+    f"|dlogp| mean RTN {dlogp(rtn_lp, res)[0]:.4f}, guided {dlogp(lp, res)[0]:.4f}"
+  )
+  assert t_g == t_rtn > 0 and m_g / t_g >= 0.999 and m_rtn < m_g
+
+
 # --- greedy decoding, EOS, padding, per-sequence RNG --------------------------------------------
 
 
@@ -480,6 +534,8 @@ def test_sample_greedy():
     (lambda: SamplingConfig(top_k=-1), "rollout.top_k"),
     (lambda: SamplingConfig(top_p=0.0), "rollout.top_p"),
     (lambda: SamplingConfig(top_p=1.5), "rollout.top_p"),
+    (lambda: QuantConfig(tensor_scale="amax"), "quant.tensor_scale"),
+    (lambda: QuantConfig(fmt="mxfp4", tensor_scale="batch_amax"), "quant.tensor_scale"),
   ],
 )
 def test_config_errors_name_the_field(make, field):

@@ -348,6 +348,20 @@ def test_the_ppo_clip_acts_only_after_the_first_update(one_rl_step):
   assert json.dumps(one_rl_step(2, 1)) == json.dumps(runs[2, 1])
 
 
+def test_two_level_scaling_runs_guided_in_mini_batches(data_dir, tmp_path, no_eval):
+  """quant.tensor_scale='batch_amax' end to end: the engine's per-call tensor scales ride with the
+  guidance (also into mini-batches), so the guided layer's codes stay the rollout's; the share of
+  block scales at the E4M3 floor is reported per tensor and layer."""
+  overrides = {"sft.steps": 0, "quant.tensor_scale": "batch_amax", "rl.minibatches": 2}
+  train.train_and_evaluate(tiny_config(data_dir, steps=1, **overrides), str(tmp_path))
+  (row,) = read_metrics(str(tmp_path))
+  assert row["finite"] is True
+  for name in ("moe_input", "moe_hidden", "key", "value"):
+    assert row[f"agreement/{name}/layer1"] >= 0.999, name  # layer 1: the guided deeper half
+    for layer in (0, 1):
+      assert 0.0 <= row[f"quant/scale_floor_frac/{name}/layer{layer}"] <= 1.0
+
+
 # --- determinism and resume -----------------------------------------------------------------
 
 

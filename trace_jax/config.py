@@ -117,6 +117,7 @@ MOE_INPUT, MOE_HIDDEN, KEY, VALUE = "moe_input", "moe_hidden", "key", "value"
 GUIDED_TENSORS = (MOE_INPUT, MOE_HIDDEN, KEY, VALUE)
 
 MATMUL_IMPLS = ("auto", "pallas", "reference")
+TENSOR_SCALES = ("none", "batch_amax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +129,11 @@ class QuantConfig:
   weights / activations: W4 and A4 switches (qat_w4a16 = weights only).
   matmul_impl: how the engine's packed FP4 matmuls run: 'auto' (the Pallas kernel on GPU, its
   jnp reference elsewhere), 'pallas' or 'reference'.
+  tensor_scale: NVFP4's second-level FP32 scale on activations and K/V (weights stay single-level).
+  'none': E4M3 block scales only. 'batch_amax': amax / (448 * 6) of the tensor in the current
+  batch, as engines compute it: the engine's per forward call (prefill, each decode step), shipped
+  with the guidance of guided tensors so that the trainer rounds on the same grid; the trainer's
+  RTN tensors take the amax of its own batch.
   """
 
   fmt: str = "nvfp4"
@@ -136,12 +142,17 @@ class QuantConfig:
   activations: bool = True
   clip_gradient: bool = False
   matmul_impl: str = "auto"
+  tensor_scale: str = "none"
 
   def __post_init__(self):
     try:
       fp4.get_format(self.fmt)
     except ValueError as e:
       _fail("quant.fmt", str(e))
+    if self.tensor_scale not in TENSOR_SCALES:
+      _fail("quant.tensor_scale", f"unknown {self.tensor_scale!r}; expected one of {TENSOR_SCALES}.")
+    if self.tensor_scale != "none" and self.format.name != "nvfp4":
+      _fail("quant.tensor_scale", f"two-level scaling is an NVFP4 option; {self.fmt} scales are powers of two.")
     unknown = sorted(set(self.targets) - set(QUANT_TARGETS))
     if unknown:
       _fail("quant.targets", f"unknown targets {unknown}; expected a subset of {QUANT_TARGETS}.")
@@ -151,6 +162,10 @@ class QuantConfig:
   @property
   def format(self) -> fp4.Fp4Format:
     return fp4.get_format(self.fmt)
+
+  @property
+  def two_level(self) -> bool:
+    return self.tensor_scale != "none"
 
   def quantizes(self, target: str) -> bool:
     return target in self.targets
@@ -585,6 +600,12 @@ class RunConfig:
   mode: ModeConfig
 
   def __post_init__(self):
+    if self.quant.two_level and self.mesh.moe_impl == "ep":
+      _fail(
+        "quant.tensor_scale",
+        "two-level scaling needs the amax of the whole batch, which expert-parallel shards do not share "
+        "(not implemented); use mesh.moe_impl='sorted' or quant.tensor_scale='none'.",
+      )
     sequences = self.job.batch_prompts * self.grpo.num_generations
     if sequences % self.grpo.minibatches:
       _fail(

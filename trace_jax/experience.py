@@ -74,7 +74,8 @@ def trainer_guidance(result: RolloutResult) -> tuple[dict[str, Guidance], ...]:
 
   Guided layers get the configured form; where diagnostic full codes exist they ride along
   (measured, never used for rounding when mantissa bits are present). Other layers get the
-  codes alone, without the rollout's scales, so the trainer's numerics are untouched.
+  codes alone, without the rollout's block or tensor scales, so the trainer's numerics are
+  untouched.
   """
   cut = lambda a: a[:, :-1] if a is not None and a.ndim >= 2 else a
   layers = []

@@ -203,6 +203,11 @@ def tensor_scale_from_amax(amax: jax.Array) -> jax.Array:
   return _div(amax, E4M3_MAX * E2M1_MAX)
 
 
+def _per_block(tensor_scale: jax.Array) -> jax.Array:
+  """A scalar tensor scale as it is, one per row [...] as [..., 1] (against [..., nblocks])."""
+  return tensor_scale if jnp.ndim(tensor_scale) == 0 else tensor_scale[..., None]
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedArray:
@@ -210,7 +215,9 @@ class QuantizedArray:
 
   codes: jax.Array  # uint8 [..., K/2]
   scales: jax.Array  # scale_dtype [..., K/block_size]
-  tensor_scale: jax.Array | None  # float32 scalar (two-level NVFP4) or None
+  # Two-level NVFP4: float32, a scalar or one per row [...] (rows quantized in different batches,
+  # such as a KV cache's slots); None: single-level.
+  tensor_scale: jax.Array | None
   fmt: Fp4Format = dataclasses.field(metadata=dict(static=True))
 
   @property
@@ -220,14 +227,14 @@ class QuantizedArray:
   @property
   def nbytes(self) -> int:
     n = self.codes.size + self.scales.size
-    return n + (4 if self.tensor_scale is not None else 0)
+    return n + (4 * self.tensor_scale.size if self.tensor_scale is not None else 0)
 
 
 def _e4m3_reciprocal(scales_f32: jax.Array, tensor_scale: jax.Array | None) -> jax.Array:
   # torchao multiplies by the reciprocal (MSLK kernel numerics), in this exact order.
   if tensor_scale is None:
     return 1.0 / scales_f32
-  return _div(_div(1.0, tensor_scale), scales_f32)
+  return _div(_div(1.0, _per_block(tensor_scale)), scales_f32)
 
 
 def _biased_exponent(x: jax.Array) -> jax.Array:
@@ -252,7 +259,7 @@ def compute_scales(blocks: jax.Array, fmt: Fp4Format, tensor_scale: jax.Array | 
   if fmt.name == "nvfp4":
     block_scale = _div(amax, E2M1_MAX)
     if tensor_scale is not None:
-      block_scale = _div(block_scale, tensor_scale)
+      block_scale = _div(block_scale, _per_block(tensor_scale))
     stored = jnp.clip(block_scale, E4M3_TINY, E4M3_MAX).astype(jnp.float8_e4m3fn)
     return stored, _e4m3_reciprocal(stored.astype(jnp.float32), tensor_scale)
   if tensor_scale is not None:
@@ -296,7 +303,7 @@ def reciprocal_from_scales(scales: jax.Array, fmt: Fp4Format, tensor_scale: jax.
 def dequant_scales(scales: jax.Array, tensor_scale: jax.Array | None = None) -> jax.Array:
   """Per-block float32 multipliers that map E2M1 values back to the input's range."""
   s = scales.astype(jnp.float32)
-  return s if tensor_scale is None else s * tensor_scale
+  return s if tensor_scale is None else s * _per_block(tensor_scale)
 
 
 def to_blocks(x: jax.Array, fmt: Fp4Format) -> jax.Array:
@@ -326,7 +333,7 @@ def quantize(x: jax.Array, fmt: str | Fp4Format = "nvfp4", *, tensor_amax: jax.A
   """Round-to-nearest block quantization of `x` (bf16 or fp32) along its last axis.
 
   `tensor_amax` (NVFP4 only) turns on two-level scaling with the FP32 tensor scale
-  `tensor_amax / (448 * 6)`.
+  `tensor_amax / (448 * 6)`: a scalar (torchao's per_tensor_scale), or one per row [...].
   """
   fmt = get_format(fmt)
   check_blocks(x.shape, fmt, "quantize")

@@ -46,11 +46,17 @@ class QatContext:
       return w
     return fake_quant(w, self.quant.fmt, axis=axis, clip_gradient=self.quant.clip_gradient)[0]
 
+  def _batch_amax(self, x: jax.Array) -> jax.Array | None:
+    """The tensor amax of two-level NVFP4 (quant.tensor_scale='batch_amax'): over this batch, as the
+    engine takes it over each of its own; None: single-level."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32) if self.quant.two_level else None
+
   def activation(self, x: jax.Array, target: str) -> jax.Array:
     """A4 RTN fake-quant along the last axis (unguided targets)."""
     if not self._on(target, "activations"):
       return x
-    return fake_quant(x, self.quant.fmt, clip_gradient=self.quant.clip_gradient)[0]
+    q = self.quant
+    return fake_quant(x, q.fmt, tensor_amax=self._batch_amax(x), clip_gradient=q.clip_gradient)[0]
 
   def guided_activation(self, x: jax.Array, target: str, guidance: Guidance | None, tensor: str):
     """Fake-quant x [..., K] row by row; returns (values, QuantStats with per-row counts [...]).
@@ -60,32 +66,43 @@ class QatContext:
     The 'kv' target ignores the `activations` switch: the FP4 KV cache is its own choice.
     Guidance given for a tensor that this trainer does not fake-quantize (the `fp4` and
     `qat_w4a16` modes) is only measured: x comes back unchanged, with its agreement counts.
+    Two-level NVFP4: rows whose guidance carries the rollout's tensor scale use it, others the
+    amax of this batch.
     """
     rows = x.shape[:-1]
     zeros = QuantStats(jnp.zeros(rows, jnp.int32), jnp.zeros(rows, jnp.int32))
     q = self.quant
     enabled = q is not None and q.quantizes(target) and (target == "kv" or q.activations)
     if guidance is None or q is None:
-      return (fake_quant(x, q.fmt, clip_gradient=q.clip_gradient)[0] if enabled else x), zeros
+      if not enabled:
+        return x, zeros
+      return fake_quant(x, q.fmt, tensor_amax=self._batch_amax(x), clip_gradient=q.clip_gradient)[0], zeros
     n = math.prod(rows)
     g = flatten_rows(guidance, n)
     axes = Guidance(**{k: None if v is None or v.ndim == 0 else 0 for k, v in vars(g).items()})
     guided = self.guided and enabled and (self.guided_tensors is None or tensor in self.guided_tensors)
-    one = lambda xr, gr: fake_quant(xr, q.fmt, gr, guided=guided, clip_gradient=q.clip_gradient)
+    amax = self._batch_amax(x)
+    one = lambda xr, gr: fake_quant(xr, q.fmt, gr, tensor_amax=amax, guided=guided, clip_gradient=q.clip_gradient)
     values, stats = jax.vmap(one, in_axes=(0, axes))(x.reshape(n, x.shape[-1]), g)
     stats = jax.tree_util.tree_map(lambda a: a.reshape(rows), stats)
     return (values.reshape(x.shape) if enabled else x), stats
 
 
 def _per_row_fields(g: Guidance):
-  return {f.name: getattr(g, f.name) for f in dataclasses.fields(g) if f.name != "tensor_scale"}
+  """The fields laid out by row: all but a scalar tensor scale."""
+  return {
+    f.name: getattr(g, f.name)
+    for f in dataclasses.fields(g)
+    if f.name != "tensor_scale" or (g.tensor_scale is not None and g.tensor_scale.ndim)
+  }
 
 
 def flatten_rows(g: Guidance | None, n: int) -> Guidance | None:
-  """Reshape every per-element field of the guidance to [n, -1] rows."""
+  """Reshape every per-element field of the guidance to [n, -1] rows (a per-row tensor scale to [n])."""
   if g is None:
     return None
-  fields = {k: None if v is None else v.reshape(n, -1) for k, v in _per_row_fields(g).items()}
+  shape = lambda k: (n,) if k == "tensor_scale" else (n, -1)
+  fields = {k: None if v is None else v.reshape(shape(k)) for k, v in _per_row_fields(g).items()}
   return dataclasses.replace(g, **fields)
 
 

@@ -39,7 +39,9 @@ class Guidance:
   codes:         uint8 [..., K/2], full rollout codes (two per byte), for 'full' guidance;
                  alongside mantissa_bits they only serve to measure agreement.
   scales:        [..., K/block] the rollout's block scales; None = trainer computes its own.
-  tensor_scale:  float32 scalar, the rollout's NVFP4 second-level scale, if it used one.
+  tensor_scale:  float32, the rollout's NVFP4 second-level scale if it used one: a scalar, or one
+                 per row [...] (the engine's amax differs between its batches: prefill, each
+                 decode step). Without scales the trainer computes its block scales under it.
   """
 
   mantissa_bits: jax.Array | None = None
@@ -74,8 +76,8 @@ def guidance_from_quantized(q: fp4.QuantizedArray, form: GuidanceForm = "mantiss
   if form == "full":
     return Guidance(codes=q.codes, scales=q.scales, tensor_scale=q.tensor_scale)
   bits = fp4.pack_bits(fp4.mantissa_bit(fp4.unpack_nibbles(q.codes)))
-  if form == "mantissa":
-    return Guidance(mantissa_bits=bits)
+  if form == "mantissa":  # the trainer's own block scales sit under the rollout's tensor scale
+    return Guidance(mantissa_bits=bits, tensor_scale=q.tensor_scale)
   return Guidance(mantissa_bits=bits, scales=q.scales, tensor_scale=q.tensor_scale)
 
 
@@ -113,11 +115,15 @@ def _round(x: jax.Array, fmt: fp4.Fp4Format, guidance: Guidance | None, tensor_a
         f"guidance.{name} has shape {field.shape} but an input of shape {x.shape} in {fmt.name} "
         f"needs {want}: guidance must be laid out like the tensor it guides."
       )
+  if g.tensor_scale is not None and g.tensor_scale.ndim and g.tensor_scale.shape != x.shape[:-1]:
+    raise ValueError(f"guidance.tensor_scale has shape {g.tensor_scale.shape}; one per row needs {x.shape[:-1]}.")
   if g.scales is not None:
     scales, tensor_scale = g.scales, g.tensor_scale
     reciprocal = fp4.reciprocal_from_scales(scales, fmt, tensor_scale)
   else:
-    tensor_scale = None if tensor_amax is None else fp4.tensor_scale_from_amax(tensor_amax)
+    tensor_scale = g.tensor_scale
+    if tensor_scale is None and tensor_amax is not None:
+      tensor_scale = fp4.tensor_scale_from_amax(tensor_amax)
     scales, reciprocal = fp4.compute_scales(blocks, fmt, tensor_scale)
   scaled = fp4.scale_blocks(blocks, reciprocal, fmt)
   sign, lo, hi = fp4.neighbors(scaled)
@@ -187,7 +193,7 @@ def fake_quant(
   guidance=None: round to nearest (vanilla QAT). With guidance and `guided=True`: TRACE's
   guided rounding; with `guided=False` the rounding is RTN and the guidance is only used to
   measure agreement (the `qat` mode's diagnostics). `tensor_amax` turns on two-level NVFP4
-  scaling when the guidance carries no scales. Works under jit, vmap and grad.
+  scaling when the guidance carries no scales and no tensor scale. Works under jit, vmap and grad.
   """
   fmt = fp4.get_format(fmt)
   if axis not in (-1, x.ndim - 1):

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trace_jax import fp4
 from trace_jax.config import GRPOConfig
 
 
@@ -89,6 +90,24 @@ def mismatch_metrics(train_logp: jax.Array, rollout_logp: jax.Array, mask: jax.A
     "mismatch/is_ratio_mean": masked_mean(ratio, m),
     "mismatch/is_ratio_outside_0.5_2": masked_mean(((ratio < 0.5) | (ratio > 2.0)).astype(jnp.float32), m),
   }
+
+
+@jax.jit
+def scale_floor_fractions(codes: tuple, positions: jax.Array) -> dict:
+  """Per layer and tensor, the share of the rollout's NVFP4 block scales at the E4M3 floor (2**-6):
+  blocks whose amax / 6 (over the tensor scale, two-level) fell to or below it, where FP4 loses
+  resolution. codes: RolloutResult.codes ([N, T, ...] per tensor); positions [N, T-1]: the
+  positions the engine ran (experience.measured_positions). MXFP4 (E8M0 scales) is skipped.
+  """
+  out = {}
+  for i, layer in enumerate(codes):
+    for name, g in sorted(layer.items()):
+      if g.scales.dtype != jnp.float8_e4m3fn:
+        continue
+      at_floor = (g.scales[:, :-1].astype(jnp.float32) == fp4.E4M3_TINY).astype(jnp.float32)
+      mask = jnp.broadcast_to(positions.reshape(positions.shape + (1,) * (at_floor.ndim - 2)), at_floor.shape)
+      out[f"quant/scale_floor_frac/{name}/layer{i}"] = masked_mean(at_floor, mask)
+  return out
 
 
 def routing_agreement(router_logits: jax.Array, rollout_ids: jax.Array, mask: jax.Array) -> jax.Array:

@@ -3,8 +3,9 @@
 A separate execution path from the trainer's `model.forward`, computing the way inference
 engines do: a bf16 residual stream and bf16 activations, RMSNorm in fp32 returning bf16,
 bf16 RoPE tables, routed-expert weights stored packed FP4 (codes + block scales) and
-dequantized inside the grouped matmul, expert activations quantized online with RTN, an
-FP4 KV cache (packed codes + scales per token and head) and decode attention over the
+dequantized inside the grouped matmul, expert activations quantized online with RTN (NVFP4
+optionally two-level, the tensor scale from each call's batch), an FP4 KV cache (packed codes +
+scales per token and head) and decode attention over the
 cached K/V with its own fp32 softmax. It returns the sampled tokens, their rollout
 log-probs, per-layer top-k expert ids (routing replay) and the compact TRACE guidance,
 laid out by sequence position so the trainer consumes it directly.
@@ -143,7 +144,7 @@ def init_cache(config: ModelConfig, batch: int, length: int, quant: QuantConfig 
     empty = fp4.QuantizedArray(
       jnp.zeros((*shape[:-1], shape[-1] // 2), jnp.uint8),
       jnp.zeros((*shape[:-1], shape[-1] // fmt.block_size), fmt.scale_dtype),
-      None,
+      jnp.zeros(shape[:-1], jnp.float32) if quant.two_level else None,  # each slot keeps its step's scale
       fmt,
     )
   else:
@@ -158,10 +159,20 @@ def _write(buffer, value, start):
   )
 
 
+def _quantize_online(x: jax.Array, quant: QuantConfig) -> fp4.QuantizedArray:
+  """RTN of an activation or K/V as engines quantize online. Two-level NVFP4: the tensor scale is
+  the amax of this call's batch (the prefill, or one decode step), kept once per row, so that
+  rows quantized in different calls (the KV cache's slots, the recorded guidance) keep theirs."""
+  if not quant.two_level:
+    return fp4.quantize(x, quant.fmt)
+  q = fp4.quantize(x, quant.fmt, tensor_amax=jnp.max(jnp.abs(x)).astype(jnp.float32))
+  return dataclasses.replace(q, tensor_scale=jnp.broadcast_to(q.tensor_scale, q.scales.shape[:-1]))
+
+
 def _store(x: jax.Array, quant: QuantConfig | None):
   """What the cache stores for new K or V [B, S, KV, D]: FP4 RTN, or x as it is."""
   if quant is not None and quant.quantizes("kv"):
-    return fp4.quantize(x, quant.fmt)
+    return _quantize_online(x, quant)
   return x
 
 
@@ -203,7 +214,7 @@ def _act(x, quant: QuantConfig | None, target: str):
   """Online RTN activation quantization: (values in x's dtype, QuantizedArray or None)."""
   if quant is None or not quant.quantizes(target) or not quant.activations:
     return x, None
-  q = fp4.quantize(x, quant.fmt)
+  q = _quantize_online(x, quant)
   return fp4.dequantize(q, x.dtype), q
 
 
@@ -280,7 +291,7 @@ def _moe(p: EngineMoE, x, st: EngineSettings, record: bool):
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k))
     y = y_sorted[inverse].reshape(n, k, -1)
     if record:
-      hidden = dataclasses.replace(q_hidden, codes=q_hidden.codes[inverse], scales=q_hidden.scales[inverse])
+      hidden = jax.tree_util.tree_map(lambda a: a[inverse], q_hidden)
   else:  # experts where they live; an engine never drops a token: capacity for the worst case
     layout = st.expert_parallel
     n_ep = dict(layout.mesh.shape).get(layout.expert_axis, 1)
@@ -300,10 +311,7 @@ def _moe(p: EngineMoE, x, st: EngineSettings, record: bool):
   records = {}
   if record:
     unflatten = lambda a: a.reshape(n, k, *a.shape[1:])
-    records = {
-      MOE_INPUT: q_in,
-      MOE_HIDDEN: dataclasses.replace(hidden, codes=unflatten(hidden.codes), scales=unflatten(hidden.scales)),
-    }
+    records = {MOE_INPUT: q_in, MOE_HIDDEN: jax.tree_util.tree_map(unflatten, hidden)}
   return out, ids, records
 
 
@@ -384,7 +392,10 @@ def _record_buffers(st: EngineSettings, batch: int, length: int):
     buffers.append(
       {
         name: fp4.QuantizedArray(
-          jnp.zeros((*lead, dim // 2), jnp.uint8), jnp.zeros((*lead, dim // fmt.block_size), fmt.scale_dtype), None, fmt
+          jnp.zeros((*lead, dim // 2), jnp.uint8),
+          jnp.zeros((*lead, dim // fmt.block_size), fmt.scale_dtype),
+          jnp.zeros(lead, jnp.float32) if st.quant.two_level else None,
+          fmt,
         )
         for name, (lead, dim) in rows.items()
       }
@@ -426,6 +437,8 @@ def generate(
   axis and the tokens travel to them (never dropped: an engine samples every token).
   """
   st = EngineSettings(model_config, rollout_config, expert_parallel)
+  if expert_parallel is not None and rollout_config.quant is not None and rollout_config.quant.two_level:
+    raise ConfigError("config.quant.tensor_scale: two-level scaling is not implemented with expert parallelism.")
   if any(i >= model_config.num_layers for i in rollout_config.guided_layers):
     raise ConfigError(
       f"config.rollout.guided_layers: {rollout_config.guided_layers} names layers beyond num_layers = "

@@ -132,14 +132,16 @@ def _is_axes(x) -> bool:
 def logical_axes(tree, axes: tuple | None = None):
   """A tree mirroring `tree` (dataclasses declared with `param_field`) with P(logical axes) leaves.
 
-  Packed FP4 arrays get their field's axes on codes and scales, the last one 'packed'.
+  Packed FP4 arrays get their field's axes on codes and scales, the last one 'packed'; a tensor
+  scale per row (two-level NVFP4 of a KV cache) the axes of the rows.
   """
   if tree is None:
     return None
   if isinstance(tree, fp4.QuantizedArray):
     packed = P(*axes[:-1], "packed")
+    ts = tree.tensor_scale
     return dataclasses.replace(
-      tree, codes=packed, scales=packed, tensor_scale=None if tree.tensor_scale is None else P()
+      tree, codes=packed, scales=packed, tensor_scale=None if ts is None else P(*axes[:-1][: len(ts.shape)])
     )
   if dataclasses.is_dataclass(tree):
     fields = {}

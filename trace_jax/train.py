@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from trace_jax import checkpoint, cluster, data, experience, job, model, rl, rollout, sharding, trainer
 from trace_jax.config import DataConfig, QuantConfig, RunConfig
+from trace_jax.experience import measured_positions
 from trace_jax.metrics_writer import read_metrics
 
 
@@ -237,6 +238,8 @@ class RLStep:
     t0 = time.perf_counter()
     state, metrics = self.optimize(step, state, batch)
     t_train = time.perf_counter() - t0
+    floor = rl.scale_floor_fractions(result.codes, sharding.to_host(measured_positions(batch)))
+    metrics.update({k: float(v) for k, v in jax.device_get(floor).items()})
 
     response_mask = sharding.to_host(result.response_mask)
     metrics.update(
