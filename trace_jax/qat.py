@@ -58,7 +58,7 @@ class QatContext:
     `quads` modes) is only measured: x comes back unchanged, with its agreement counts.
     """
     rows = x.shape[:-1]
-    zeros = QuantStats(jnp.zeros(rows, jnp.int32), jnp.zeros(rows, jnp.int32))
+    zeros = QuantStats(*(jnp.zeros(rows, jnp.int32) for _ in dataclasses.fields(QuantStats)))
     q = self.quant
     enabled = q is not None and q.quantizes(target) and (target == "kv" or q.activations)
     if guidance is None or q is None:
