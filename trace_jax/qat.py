@@ -50,12 +50,15 @@ class QatContext:
       return x
     return fake_quant(x, self.quant.fmt, clip_gradient=self.quant.clip_gradient)[0]
 
-  def guided_activation(self, x: jax.Array, target: str, guidance: Guidance | None):
+  def guided_activation(self, x: jax.Array, target: str, guidance: Guidance | None, found: jax.Array | None = None):
     """Fake-quant x [..., K] row by row; returns (values, QuantStats with per-row counts [...]).
 
     The 'kv' target ignores the `activations` switch: the FP4 KV cache is its own choice.
     Guidance given for a tensor that this trainer does not fake-quantize (the `fp4` and
     `quads` modes) is only measured: x comes back unchanged, with its agreement counts.
+    found [...] (x's rows, nonzero = true; None = all): rows whose guidance the rollout recorded.
+    The others (an expert the rollout did not run for that token) hold placeholder guidance: they
+    are rounded to nearest on their own scales and left out of the counts.
     """
     rows = x.shape[:-1]
     zeros = QuantStats(*(jnp.zeros(rows, jnp.int32) for _ in dataclasses.fields(QuantStats)))
@@ -69,6 +72,12 @@ class QatContext:
     guided = self.guided and enabled
     one = lambda xr, gr: fake_quant(xr, q.fmt, gr, guided=guided, clip_gradient=q.clip_gradient)
     values, stats = jax.vmap(one, in_axes=(0, axes))(x.reshape(n, x.shape[-1]), g)
+    if found is not None:
+      found = found.reshape(n).astype(bool)
+      stats = jax.tree_util.tree_map(lambda a: jnp.where(found, a, 0), stats)
+      if enabled:
+        rtn = fake_quant(x.reshape(n, x.shape[-1]), q.fmt, clip_gradient=q.clip_gradient)[0]
+        values = jnp.where(found[:, None], values, rtn)
     stats = jax.tree_util.tree_map(lambda a: a.reshape(rows), stats)
     return (values.reshape(x.shape) if enabled else x), stats
 

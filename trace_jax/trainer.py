@@ -156,6 +156,7 @@ def make_rl_step(run: RunConfig, optimizer, *, mesh=None, expert_parallel=None):
       moe_impl=moe_impl,
       expert_parallel=expert_parallel,
       stats_mask=measured_positions(batch),
+      guidance_ids=batch.rollout_ids,
     )
     logp = model.token_logprobs(logits, batch.targets)
     old = jax.lax.stop_gradient(logp) if first else batch.old_logp
