@@ -16,8 +16,9 @@ import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from tests.tiny import tiny_model
-from trace_jax import model, moe, qat, quantizer
+from trace_jax import model, moe, qat, quantizer, sharding
 from trace_jax.config import ConfigError, ModelConfig, QuantConfig, section
+from trace_jax.expert_parallel import ExpertParallel
 
 TINY = tiny_model(initializer_range=0.1)  # O(1) logits and decisive routing
 FP32 = qat.QatContext(compute_dtype=jnp.float32)
@@ -27,15 +28,23 @@ B, S = 2, 12
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 7))
-def _forward(params, tokens, mask, config, ctx, guidance, replay_ids, moe_impl):
+def _forward(params, tokens, mask, config, ctx, guidance, replay_ids, moe_impl, guidance_ids):
   return model.forward(
-    params, tokens, mask, config, ctx=ctx, guidance=guidance, replay_ids=replay_ids, moe_impl=moe_impl
+    params,
+    tokens,
+    mask,
+    config,
+    ctx=ctx,
+    guidance=guidance,
+    replay_ids=replay_ids,
+    moe_impl=moe_impl,
+    guidance_ids=guidance_ids,
   )
 
 
-def fwd(params, tokens, mask, config, ctx=FP32, guidance=None, replay_ids=None, moe_impl="sorted"):
+def fwd(params, tokens, mask, config, ctx=FP32, guidance=None, replay_ids=None, moe_impl="sorted", guidance_ids=None):
   """One calling convention, so equal arguments hit the same compiled function."""
-  return _forward(params, tokens, mask, config, ctx, guidance, replay_ids, moe_impl)
+  return _forward(params, tokens, mask, config, ctx, guidance, replay_ids, moe_impl, guidance_ids)
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +90,11 @@ def test_sorted_and_dense_moe_agree(params, batch, ctx_name):
   chex.assert_trees_all_equal(a_sorted.quant_stats, a_dense.quant_stats)
   if ctx.guided:
     hidden = a_sorted.quant_stats[0]["moe_hidden"]
-    assert int(hidden.total) == int(batch[1].sum()) * TINY.num_experts_per_tok * TINY.moe_intermediate_size
+    assert int(hidden.bit_total) == int(batch[1].sum()) * TINY.num_experts_per_tok * TINY.moe_intermediate_size
     # Guided rounding finds the rollout's mantissa bit except where one neighbour exists (a block's
     # amax lands on 6; the random guidance may ask for the other bit there).
-    assert int(hidden.matches) >= 0.9 * int(hidden.total)
+    assert int(hidden.bit_matches) >= 0.9 * int(hidden.bit_total)
+    assert int(hidden.total) == 0  # no full codes: no codeword agreement to count
 
 
 @pytest.mark.parametrize("ctx", [FP32, QAT32], ids=["fp32", "qat"])
@@ -114,6 +124,113 @@ def test_routing_replay_with_own_ids_is_exact(params, batch, ctx):
   replayed, aux_replayed = fwd(params, *batch, TINY, ctx, replay_ids=aux.topk_ids)
   np.testing.assert_array_equal(logits, replayed)
   np.testing.assert_array_equal(aux.topk_ids[0], aux_replayed.topk_ids[0])
+
+
+# --- 'moe_hidden' guidance matched by expert (no routing replay) ------------------------------------
+
+T_MOE = 12  # tokens of the MoE-block cases
+EP_ONE_DEVICE = ExpertParallel(  # capacity for every assignment: nothing dropped
+  sharding.make_mesh({}, jax.local_devices()[:1]), capacity_factor=TINY.num_experts / TINY.num_experts_per_tok
+)
+
+
+@functools.partial(jax.jit, static_argnames="impl")
+def moe_hidden_guided(p, x, g_hidden, guidance_ids, impl):
+  ep = EP_ONE_DEVICE if impl == "ep" else None
+  guidance = {"moe_hidden": g_hidden}
+  return moe.moe_block(p, x, TINY, GUIDED32, guidance, impl=impl, expert_parallel=ep, guidance_ids=guidance_ids)
+
+
+@pytest.fixture(scope="module")
+def moe_case(params):
+  """(layer-0 MoE params, x [T, H], the experts the trainer's router picks [T, k], in its order)."""
+  p = params.layers[0].mlp
+  x = jax.random.normal(jax.random.key(9), (T_MOE, TINY.hidden_size))
+  return p, x, np.asarray(moe.moe_block(p, x, TINY, GUIDED32, {}).topk_ids)
+
+
+def hidden_guidance(form: str) -> quantizer.Guidance:
+  shape = (T_MOE, TINY.num_experts_per_tok, TINY.moe_intermediate_size)
+  return quantizer.make_guidance(jax.random.normal(jax.random.key(10), shape), form=form)[0]
+
+
+def in_slot_order(g: quantizer.Guidance, perm: np.ndarray) -> quantizer.Guidance:
+  """Rows [T, k, ...] with each token's slots permuted: row (t, j) <- (t, perm[t, j])."""
+  return jax.tree_util.tree_map(lambda a: a[np.arange(T_MOE)[:, None], perm] if a.ndim >= 2 else a, g)
+
+
+@pytest.mark.parametrize("form", ["full", "mantissa_scale"])
+def test_hidden_guidance_is_matched_by_expert(moe_case, form):
+  """The rollout ranked the trainer's experts in another order (reversed, every other token): each (token, expert)
+  row takes the rollout's row of that expert, bit for bit as if the rollout had ranked them the trainer's way, in
+  every implementation. Taken slot by slot, the reversed tokens would get the other expert's rows."""
+  p, x, ids = moe_case
+  k = TINY.num_experts_per_tok
+  g = hidden_guidance(form)  # laid out by the trainer's slots
+  perm = np.where((np.arange(T_MOE) % 2 == 0)[:, None], np.arange(k)[::-1], np.arange(k))
+  rollout_ids, rollout_g = np.take_along_axis(ids, perm, axis=1), in_slot_order(g, perm)
+  for impl in ("sorted", "dense", "ep"):
+    want = moe_hidden_guided(p, x, g, None, impl)
+    got = moe_hidden_guided(p, x, rollout_g, jnp.asarray(rollout_ids), impl)
+    np.testing.assert_array_equal(got.out, want.out, err_msg=impl)
+    chex.assert_trees_all_equal(got.stats, want.stats)
+  by_slot = moe_hidden_guided(p, x, rollout_g, None, "sorted").out
+  assert np.abs(by_slot - moe_hidden_guided(p, x, g, None, "sorted").out).max() > 1e-3
+
+
+def test_expert_the_rollout_did_not_run_is_unmatched(moe_case):
+  """An expert the rollout did not pick for a token has no guidance row: it is left out of the counts (and rounded to
+  nearest, test_rows_without_guidance_round_to_nearest); the matched rows are guided as before. The three
+  implementations agree (sorted and ep exactly)."""
+  p, x, ids = moe_case
+  g = hidden_guidance("full")
+  rollout_ids = ids.copy()
+  for t in range(0, T_MOE, 3):  # the rollout's first expert is one the trainer did not pick
+    rollout_ids[t, 0] = min(set(range(TINY.num_experts)) - set(ids[t]))
+  found = np.any(ids[:, :, None] == rollout_ids[:, None, :], axis=-1)
+  assert np.sum(~found) == T_MOE // 3
+  matched = moe_hidden_guided(p, x, g, None, "sorted").stats["moe_hidden"]
+  got = {impl: moe_hidden_guided(p, x, g, jnp.asarray(rollout_ids), impl) for impl in ("sorted", "dense", "ep")}
+  for impl, out in got.items():
+    s = out.stats["moe_hidden"]
+    assert not np.any(np.asarray(s.total)[~found]) and not np.any(np.asarray(s.matches)[~found]), impl
+    np.testing.assert_array_equal(np.asarray(s.total)[found], TINY.moe_intermediate_size)
+  np.testing.assert_array_equal(
+    np.asarray(got["sorted"].stats["moe_hidden"].matches)[found], np.asarray(matched.matches)[found]
+  )
+  np.testing.assert_array_equal(got["ep"].out, got["sorted"].out)
+  chex.assert_trees_all_equal(got["ep"].stats, got["sorted"].stats)
+  np.testing.assert_allclose(got["dense"].out, got["sorted"].out, atol=2e-5, rtol=1e-5)
+
+
+def test_rows_without_guidance_round_to_nearest():
+  """QatContext.guided_activation with `found`: found rows are guided and counted as without it; the others are
+  rounded to nearest on their own scales and not counted."""
+  x = jax.random.normal(jax.random.key(11), (6, 32))
+  g = quantizer.make_guidance(x * 1.3 + 0.1, form="full")[0]
+  found = jnp.asarray([1, 0, 1, 1, 0, 1], bool)
+  values, stats = jax.jit(GUIDED32.guided_activation, static_argnums=1)(x, "experts", g, found)
+  guided, guided_stats = jax.jit(GUIDED32.guided_activation, static_argnums=1)(x, "experts", g)
+  rtn = quantizer.fake_quant(x)[0]
+  np.testing.assert_array_equal(values, jnp.where(found[:, None], guided, rtn))
+  assert np.any(np.asarray(guided != rtn)[~np.asarray(found)])  # the case is not vacuous
+  want = jax.tree_util.tree_map(lambda a: jnp.where(found, a, 0), guided_stats)
+  chex.assert_trees_all_equal(stats, want)
+  assert int(stats.total.sum()) == 4 * 32
+
+
+def test_routing_replay_path_ignores_guidance_ids(params, batch):
+  """With R3 the trainer runs the rollout's experts in the rollout's order, so guidance rows line up slot by slot and
+  the forward ignores `guidance_ids` (the R3 path is unchanged); without replay they decide which row is whose."""
+  guidance = random_guidance(TINY, jax.random.key(2))
+  _, aux = fwd(params, *batch, TINY, GUIDED32, guidance)
+  replay = aux.topk_ids
+  reversed_ids = tuple(ids[..., ::-1] for ids in replay)
+  want = fwd(params, *batch, TINY, GUIDED32, guidance, replay_ids=replay)
+  got = fwd(params, *batch, TINY, GUIDED32, guidance, replay_ids=replay, guidance_ids=reversed_ids)
+  chex.assert_trees_all_equal(got, want)
+  _, unreplayed = fwd(params, *batch, TINY, GUIDED32, guidance, guidance_ids=reversed_ids)
+  assert int(unreplayed.quant_stats[0]["moe_hidden"].bit_matches) != int(aux.quant_stats[0]["moe_hidden"].bit_matches)
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])

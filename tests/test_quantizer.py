@@ -77,7 +77,8 @@ def full_guidance(codes, scales) -> Guidance:
 @PROPS
 @given(xs)
 def test_own_guidance_reproduces_rtn(x):
-  """Guidance recorded from x itself gives exactly RTN, and every element matches."""
+  """Guidance recorded from x itself gives exactly RTN, and every element matches (its code, or its mantissa bit
+  where only bits were shipped)."""
   rtn_values, rtn_stats, rtn_codes, *_ = run(x)
   assert int(rtn_stats.total) == 0 and int(rtn_stats.matches) == 0  # guidance off: no stats
   for form in GUIDANCE_FORMS:
@@ -85,7 +86,9 @@ def test_own_guidance_reproduces_rtn(x):
     values, stats, codes, *_ = run(x, g)
     np.testing.assert_array_equal(np.asarray(values), np.asarray(rtn_values), err_msg=form)
     np.testing.assert_array_equal(np.asarray(codes), np.asarray(rtn_codes), err_msg=form)
-    assert int(stats.matches) == int(stats.total) == x.size, form
+    matches, total = (stats.matches, stats.total) if form == "full" else (stats.bit_matches, stats.bit_total)
+    assert int(matches) == int(total) == x.size, form
+    assert int(stats.non_adjacent) == 0, form
 
 
 @PROPS
@@ -136,9 +139,66 @@ def test_compact_guidance_reproduces_rollout_neighbours(x, noise, seed):
     np.testing.assert_array_equal(value(codes)[neighbour], value(r_codes)[neighbour])
     if g is g_full:  # full codes: matches count exactly the elements equal by value
       assert int(stats.matches) == int(np.sum(value(codes) == value(r_codes)))
-    else:  # mantissa bits: matches count the elements whose mantissa bit is the rollout's
-      assert int(stats.matches) == int(np.sum((codes & 1) == (r_codes & 1)))
-    assert int(stats.total) == x.size
+      assert int(stats.total) == x.size
+    else:  # mantissa bits: bit_matches count the elements whose mantissa bit is the rollout's
+      assert int(stats.bit_matches) == int(np.sum((codes & 1) == (r_codes & 1)))
+      assert int(stats.bit_total) == x.size
+
+
+@PROPS
+@given(xs, rollout_codes, e4m3_scales)
+def test_compact_guidance_against_any_rollout_code(x, r_codes, scale_bits):
+  """What holds for the compact form, whatever the rollout's codes (full codes ride along to measure): the chosen
+  code is a neighbour of x / scale; it is the rollout's wherever the rollout's code is a neighbour; every other
+  element is a miss, counted as non-adjacent, though its mantissa bit may agree. Full-code guidance hits the same
+  elements."""
+  scales = as_e4m3(scale_bits)
+  g_full = full_guidance(r_codes, scales)
+  g_both = dataclasses.replace(g_full, mantissa_bits=fp4.pack_bits(jnp.asarray(r_codes & 1)))
+  r_mag, r_sign = r_codes & 7, r_codes >> 3
+  for g in (g_both, g_full):
+    _, stats, *arrays = run(x, g)
+    codes, sign, lo, hi = (np.asarray(a) for a in arrays)
+    mag = codes & 7
+    assert np.all((mag == lo) | (mag == hi))
+    neighbour = ((r_mag == lo) | (r_mag == hi)) & ((r_sign == sign) | (r_mag == 0))
+    hit = value(codes) == value(r_codes)
+    np.testing.assert_array_equal(hit, neighbour)
+    assert int(stats.non_adjacent) == int(np.sum(~neighbour))
+    assert int(stats.matches) == int(stats.total) - int(stats.non_adjacent) == int(np.sum(neighbour))
+  assert int(run(x, g_both)[1].bit_matches) >= int(run(x, g_both)[1].matches)
+
+
+def test_compact_guidance_can_land_farther_than_rtn():
+  """x / scale = 1.4 (neighbours 1 and 1.5, RTN 1.5), rollout 2, two steps up: its mantissa bit (0) picks 1,
+  farther from 2 than RTN; the bit agrees, the code does not, and the element counts as non-adjacent. Full codes
+  pick 1.5, the neighbour nearest to 2."""
+  x = jnp.zeros((1, 16), jnp.float32).at[0, 0].set(1.4 * 2.0)
+  r_codes = np.zeros((1, 16), np.uint8)
+  r_codes[0, 0] = 4  # 2.0
+  scales = jnp.full((1, 1), 2.0, jnp.float8_e4m3fn)
+  g_full = full_guidance(r_codes, scales)
+  g_both = dataclasses.replace(g_full, mantissa_bits=fp4.pack_bits(jnp.asarray(r_codes & 1)))
+  assert value(quant_codes(x, "nvfp4", g_both))[0, 0] == 1.0
+  rtn = quant_codes(x, "nvfp4", g_full, guided=False)  # on the rollout's scales
+  assert value(quant_codes(x, "nvfp4", g_full))[0, 0] == value(rtn)[0, 0] == 1.5
+  stats = quant(x, "nvfp4", g_both)[1]
+  assert (int(stats.bit_matches), int(stats.matches), int(stats.non_adjacent)) == (16, 15, 1)
+
+
+def test_bit_agreement_is_not_code_agreement():
+  """Mantissa bits alone give no codeword agreement (total 0): they count as bit agreement, which guided rounding
+  forces. With the diagnostic codes alongside, code agreement is measured and is lower."""
+  rng = np.random.default_rng(5)
+  x = rng.standard_normal(SHAPE).astype(np.float32)
+  g_full, q = guidance_of((x * (1 + 0.5 * rng.standard_normal(SHAPE))).astype(np.float32), "full")
+  g_bits = guidance_from_quantized(q, "mantissa_scale")
+  stats = run(x, g_bits)[1]
+  assert int(stats.matches) == int(stats.total) == int(stats.non_adjacent) == 0
+  assert int(stats.bit_total) == x.size and int(stats.bit_matches) > 0.99 * x.size
+  both = run(x, dataclasses.replace(g_bits, codes=g_full.codes))[1]
+  assert int(both.total) == x.size and int(both.bit_matches) == int(stats.bit_matches)
+  assert int(both.matches) == x.size - int(both.non_adjacent) < int(both.bit_matches)
 
 
 # --- edge cases (SPEC section 2) ------------------------------------------------------------------

@@ -338,6 +338,20 @@ def test_routing_agreement():
   assert float(rl.routing_agreement(logits, jnp.asarray(mixed), mask)) == pytest.approx(0.6)
 
 
+def test_expert_overlap_of_the_experts_run():
+  """The share of the rollout's experts among those the trainer ran (what `guidance/unmatched_expert_frac` is one
+  minus): order-insensitive, masked."""
+  B, S, E, k = 2, 5, 8, 2
+  ids = np.stack([RNG.permutation(E)[:k] for _ in range(B * S)]).reshape(B, S, k)
+  other = np.stack([np.setdiff1d(np.arange(E), row)[:1] for row in ids.reshape(-1, k)]).reshape(B, S, 1)
+  one_swapped = np.concatenate([ids[..., ::-1][..., :1], other], -1)  # first slot: ids' second expert
+  mask = np.ones((B, S), bool)
+  assert float(rl.expert_overlap(jnp.asarray(ids), jnp.asarray(ids[..., ::-1]), mask)) == 1.0
+  assert float(rl.expert_overlap(jnp.asarray(ids), jnp.asarray(one_swapped), mask)) == pytest.approx(0.5)
+  mask[:, 2:] = False
+  assert float(rl.expert_overlap(jnp.asarray(ids), jnp.asarray(np.where(mask[..., None], ids, other)), mask)) == 1.0
+
+
 # --- trainer_guidance -----------------------------------------------------------------------
 
 

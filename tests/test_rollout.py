@@ -18,7 +18,7 @@ from scipy import stats
 
 from tests.test_fp4 import torchao_ref
 from tests.tiny import tiny_model
-from trace_jax import fp4, model, qat, quantizer, rollout
+from trace_jax import experience, fp4, model, qat, quantizer, rollout
 from trace_jax.config import (
   KEY,
   MOE_INPUT,
@@ -29,7 +29,8 @@ from trace_jax.config import (
   SamplingConfig,
   deeper_layers,
 )
-from trace_jax.experience import RolloutResult, guidance_bytes_per_token
+from trace_jax.experience import RolloutResult, TrainBatch, guidance_bytes_per_token
+from trace_jax.trainer import quant_metrics
 
 # initializer_range 3x HF's default: larger activations make the FP4 mismatch visible
 CFG = tiny_model(vocab_size=40, num_layers=4, initializer_range=0.06)
@@ -272,15 +273,20 @@ def test_compact_guidance_is_the_mantissa_of_the_codes(fp4_full, fp4_compact):
       assert g.codes is None
 
 
-def test_compact_guidance_steers_the_deeper_half(params, fp4_full, fp4_compact, fp4_rtn_trainer):
-  """TRACE mode: mantissa + scale in the deeper half, RTN below (codes alongside only to measure)."""
-  guidance = tuple(
+def with_diagnostic_codes(res: RolloutResult) -> tuple:
+  """The rollout's guidance with its full codes alongside (what `experience.trainer_guidance` ships with diagnostics)."""
+  return tuple(
     {
-      n: dataclasses.replace(fp4_compact.guidance[i][n], codes=c.codes) if i in FP4_COMPACT.guided_layers else c
-      for n, c in fp4_compact.codes[i].items()
+      n: dataclasses.replace(res.guidance[i][n], codes=c.codes) if i in FP4_COMPACT.guided_layers else c
+      for n, c in res.codes[i].items()
     }
     for i in range(L)
   )
+
+
+def test_compact_guidance_steers_the_deeper_half(params, fp4_full, fp4_compact, fp4_rtn_trainer):
+  """TRACE mode: mantissa + scale in the deeper half, RTN below (codes alongside only to measure)."""
+  guidance = with_diagnostic_codes(fp4_compact)
   lp, _, aux = trainer(params, fp4_compact, TRAIN_TRACE, guidance, replay=True)
   deep, shallow = FP4_COMPACT.guided_layers, [i for i in range(L) if i not in FP4_COMPACT.guided_layers]
   (m_deep, t_deep), (m_shallow, t_shallow) = agreement(aux, deep), agreement(aux, shallow)
@@ -387,6 +393,61 @@ def test_two_level_scales_are_per_engine_batch_and_guide_the_trainer(params, fp4
     f"|dlogp| mean RTN {dlogp(rtn_lp, res)[0]:.4f}, guided {dlogp(lp, res)[0]:.4f}"
   )
   assert t_g == t_rtn > 0 and m_g / t_g >= 0.999 and m_rtn < m_g
+
+
+def test_without_codes_only_bit_agreement_is_reported(params, fp4_compact):
+  """trace.diagnostics=False ships mantissa bits and scales, no codes: codeword agreement is not reported (NaN), and
+  mantissa-bit agreement, which guided rounding forces, is reported under its own name."""
+  _, _, aux = trainer(params, fp4_compact, TRAIN_TRACE, fp4_compact.guidance, replay=True)
+  metrics = jax.device_get(quant_metrics(aux.quant_stats, drop_last(fp4_compact.guidance)))
+  for i in range(L):
+    for n in aux.quant_stats[i]:
+      assert np.isnan(metrics[f"agreement/{n}/layer{i}"]), (i, n)
+      if i in FP4_COMPACT.guided_layers:
+        assert 0.99 <= metrics[f"bit_agreement/{n}/layer{i}"] <= 1, (i, n)
+      else:
+        assert f"bit_agreement/{n}/layer{i}" not in metrics
+  assert not any(key.startswith("guidance/") for key in metrics)  # non-adjacent counts need the codes
+
+
+@functools.partial(jax.jit, static_argnames=("ctx",))
+def trainer_stats(params, batch: TrainBatch, ctx):
+  """The trainer's code counts over the positions the engine recorded, as trainer.make_rl_step takes them."""
+  _, aux = model.forward(
+    params,
+    batch.inputs,
+    batch.mask,
+    CFG,
+    ctx=ctx,
+    guidance=batch.guidance,
+    replay_ids=batch.replay_ids,
+    stats_mask=experience.measured_positions(batch),
+  )
+  return aux.quant_stats
+
+
+def test_non_adjacent_rollout_codes_are_counted(params, fp4_compact):
+  """With the diagnostic codes (TRACE's trainer batch): in the guided layers every code mismatch is a rollout code
+  that is not a neighbour of the trainer's value, since the compact guidance reproduces every neighbour; in the RTN
+  layers most mismatches are one codeword apart (about 80% here: this config's large activations diverge more)."""
+  batch = experience.train_batch_from_rollout(fp4_compact, jnp.zeros((B,), jnp.float32), routing_replay=True)
+  stats = trainer_stats(params, batch, TRAIN_TRACE)
+  metrics = jax.device_get(quant_metrics(stats, batch.guidance))
+  print("\nnon-adjacent share of the codes / adjacent share of the mismatches (TRACE trainer):")
+  shallow = {"mismatches": 0, "non_adjacent": 0}
+  for i in range(L):
+    for n, s in stats[i].items():
+      key = f"{n}/layer{i}"
+      non_adjacent = metrics[f"guidance/non_adjacent_frac/{key}"]
+      print(f"  layer {i} {n:10s} {non_adjacent:.5f} / {metrics[f'guidance/adjacent_share_of_mismatches/{key}']:.3f}")
+      assert non_adjacent == int(s.non_adjacent) / int(s.total)
+      if i in FP4_COMPACT.guided_layers:
+        assert int(s.total) - int(s.matches) == int(s.non_adjacent), key
+      else:
+        shallow["mismatches"] += int(s.total) - int(s.matches)
+        shallow["non_adjacent"] += int(s.non_adjacent)
+  assert shallow["mismatches"] > 0 and shallow["non_adjacent"] < 0.5 * shallow["mismatches"]
+  print(f"  pooled over every layer: {metrics['guidance/adjacent_share_of_mismatches']:.4f} of mismatches adjacent")
 
 
 # --- greedy decoding, EOS, padding, per-sequence RNG --------------------------------------------

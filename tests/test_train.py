@@ -273,12 +273,9 @@ def test_mode_runs_an_rl_step(mode, data_dir, tmp_path, no_eval):
     assert all(0 <= row[k] <= 1 for k in SPEC_KEYS if k.startswith("agreement/"))
 
 
-@pytest.mark.parametrize("mode", ["qat", "qat_w4a16", "trace_full"])
-def test_other_modes_trace_an_rl_step(mode, data_dir):
-  """qat, qat_w4a16 and trace_full differ from trace only in static settings, so tracing their whole
-  RL step (weight sync, FP4 rollout, trainer batch, GRPO update) with jax.eval_shape checks them
-  without paying three more compilations."""
-  cfg = tiny_config(data_dir, mode)
+def traced_rl_step(cfg):
+  """(params, (state, logp, metrics)) of the whole RL step (weight sync, FP4 rollout, trainer batch, GRPO update) as
+  jax.eval_shape traces it: shapes and metric keys without a compilation."""
   run = RunConfig.from_config(cfg)
   tokenizer, _, _ = train.load_data(run.data)
   run = run.with_tokenizer(tokenizer)
@@ -297,7 +294,16 @@ def test_other_modes_trace_an_rl_step(mode, data_dir):
 
   params = jax.eval_shape(functools.partial(model.init_params, run.model), jax.random.key(0))
   tokens = jax.ShapeDtypeStruct((n, p), jnp.int32)
-  state, logp, metrics = jax.eval_shape(rl_step, params, tokens, jax.ShapeDtypeStruct((n, p), bool), jax.random.key(1))
+  return params, jax.eval_shape(rl_step, params, tokens, jax.ShapeDtypeStruct((n, p), bool), jax.random.key(1))
+
+
+@pytest.mark.parametrize("mode", ["qat", "qat_w4a16", "trace_full"])
+def test_other_modes_trace_an_rl_step(mode, data_dir):
+  """qat, qat_w4a16 and trace_full differ from trace only in static settings, so tracing their whole
+  RL step with jax.eval_shape checks them without paying three more compilations."""
+  cfg = tiny_config(data_dir, mode)
+  n, p = cfg.batch_prompts * cfg.rl.num_generations, cfg.data.max_prompt_len
+  params, (state, logp, metrics) = traced_rl_step(cfg)
   assert logp.shape == (n, p + cfg.rollout.max_new_tokens - 1)
   assert jax.tree_util.tree_structure(state.params) == jax.tree_util.tree_structure(params)
   missing = [
@@ -356,10 +362,36 @@ def test_two_level_scaling_runs_guided_in_mini_batches(data_dir, tmp_path, no_ev
   train.train_and_evaluate(tiny_config(data_dir, steps=1, **overrides), str(tmp_path))
   (row,) = read_metrics(str(tmp_path))
   assert row["finite"] is True
-  for name in ("moe_input", "moe_hidden", "key", "value"):
+  for name in ("moe_input", "key", "value"):  # the default trace.tensors
     assert row[f"agreement/{name}/layer1"] >= 0.999, name  # layer 1: the guided deeper half
+  for name in ("moe_input", "moe_hidden", "key", "value"):
     for layer in (0, 1):
       assert 0.0 <= row[f"quant/scale_floor_frac/{name}/layer{layer}"] <= 1.0
+
+
+@pytest.mark.parametrize("diagnostics", [True, False])
+@pytest.mark.parametrize("routing_replay", [True, False])
+def test_guidance_metric_keys(data_dir, diagnostics, routing_replay):
+  """trace mode (layer 1 guided by mantissa + scales of the default tensors, moe_input and K/V): codeword agreement
+  in every layer and tensor (NaN where no codes), mantissa-bit agreement where bits were shipped, the non-adjacent
+  counts where the diagnostic codes exist, and the unmatched-expert share where 'moe_hidden' guidance exists."""
+  cfg = tiny_config(data_dir, **{"trace.diagnostics": diagnostics, "rl.routing_replay": routing_replay})
+  _, (_, _, metrics) = traced_rl_step(cfg)
+  tensors = ("moe_input", "moe_hidden", "key", "value")
+  assert all(f"agreement/{t}/layer{i}" in metrics for t in tensors for i in range(2))
+  shipped = ("moe_input", "key", "value")
+  assert {k for k in metrics if k.startswith("bit_agreement/")} == {f"bit_agreement/{t}/layer1" for t in shipped}
+  measured_layers = range(2) if diagnostics else ()
+  want = {
+    f"guidance/{m}/{t}/layer{i}"
+    for m in ("non_adjacent_frac", "adjacent_share_of_mismatches")
+    for t in tensors
+    for i in measured_layers
+  }
+  if diagnostics:
+    want |= {"guidance/non_adjacent_frac", "guidance/adjacent_share_of_mismatches"}
+  want |= {f"guidance/unmatched_expert_frac/layer{i}" for i in measured_layers}  # moe_hidden: diagnostic codes only
+  assert {k for k in metrics if k.startswith("guidance/")} == want
 
 
 # --- determinism and resume -----------------------------------------------------------------

@@ -53,7 +53,7 @@ class TrainBatch:
   ref_logp: jax.Array | None
   guidance: tuple  # per layer {tensor: Guidance}
   replay_ids: tuple | None  # per layer [N, T-1, k] (R3)
-  rollout_ids: tuple  # per layer [N, T-1, k], for routing agreement
+  rollout_ids: tuple  # per layer [N, T-1, k], for routing agreement and the expert of each 'moe_hidden' guidance row
 
 
 def guidance_bytes_per_token(guidance) -> dict[str, int]:

@@ -158,12 +158,16 @@ def forward(
   moe_impl: str = "sorted",
   expert_parallel: moe.ExpertParallel | None = None,
   stats_mask: jax.Array | None = None,
+  guidance_ids: tuple[jax.Array | None, ...] | None = None,
 ) -> tuple[jax.Array, ForwardAux]:
   """Teacher-forced forward. tokens/mask [B, S] (left padding allowed) -> float32 logits [B, S, V].
 
   guidance: per layer, a dict tensor name -> Guidance laid out by position
     ('moe_input' [B, S, ...], 'moe_hidden' [B, S, k, ...], 'key'/'value' [B, S, KV, ...]);
     a missing entry means RTN. replay_ids: per layer [B, S, k] expert ids to reuse (R3).
+  guidance_ids: per layer [B, S, k] the rollout's experts, in the slot order of its 'moe_hidden'
+    guidance; in layers without replay the trainer's (token, expert) rows are matched to them by
+    expert (moe.moe_block). None: the rows are taken slot by slot.
   stats_mask: the positions over which code agreement is counted (default: mask).
   moe_impl='ep' with `expert_parallel` (mesh, capacity): experts split over the mesh.
   """
@@ -173,6 +177,7 @@ def forward(
     positions = attention.positions_from_mask(mask)
   guidance = guidance if guidance is not None else ({},) * config.num_layers
   replay_ids = replay_ids if replay_ids is not None else (None,) * config.num_layers
+  guidance_ids = guidance_ids if guidance_ids is not None else (None,) * config.num_layers
   x = params.embed[tokens].astype(jnp.float32)  # fp32 residual stream
   router_logits, topk_ids, layer_stats, dropped = [], [], [], []
   for i, layer in enumerate(params.layers):
@@ -183,6 +188,8 @@ def forward(
     h = attention.rms_norm(x, layer.post_attn_norm, config.rms_norm_eps).astype(dt)
     if isinstance(layer.mlp, MoEParams):
       replay = None if replay_ids[i] is None else replay_ids[i].reshape(b * s, -1)
+      # Replayed experts are the rollout's, in its order: its guidance rows line up slot by slot.
+      match = None if replay is not None or guidance_ids[i] is None else guidance_ids[i].reshape(b * s, -1)
       g_moe = {k: v for k, v in g.items() if k in (MOE_INPUT, MOE_HIDDEN)}
       out = moe.moe_block(
         layer.mlp,
@@ -193,6 +200,7 @@ def forward(
         replay,
         impl=moe_impl,
         expert_parallel=expert_parallel,
+        guidance_ids=match,
       )
       if out.dropped is not None:
         dropped.append(out.dropped)

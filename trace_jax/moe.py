@@ -91,17 +91,31 @@ def _grouped_dot(x, w, group_sizes):
   return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
 
 
-def _expert_ffn(ctx: qat.QatContext, weights, xs, g_rows, group_sizes):
-  """SwiGLU experts on rows xs [R, H] grouped by expert (group_sizes), guided A4 on the hidden rows."""
+def _expert_ffn(ctx: qat.QatContext, weights, xs, g_rows, found, group_sizes):
+  """SwiGLU experts on rows xs [R, H] grouped by expert (group_sizes), guided A4 on the hidden rows
+  (found [R]: the rows whose guidance the rollout recorded; None = all)."""
   dt = ctx.compute_dtype
   gate_w, up_w, down_w = weights
   xs = xs.astype(dt)
   gate = _grouped_dot(xs, gate_w.astype(dt), group_sizes)
   up = _grouped_dot(xs, up_w.astype(dt), group_sizes)
   h = (jax.nn.silu(gate) * up).astype(dt)
-  hq, s_hidden = ctx.guided_activation(h, "experts", g_rows, MOE_HIDDEN)
+  hq, s_hidden = ctx.guided_activation(h, "experts", g_rows, MOE_HIDDEN, found)
   y = _grouped_dot(hq.astype(dt), down_w.astype(dt), group_sizes)
   return y, s_hidden
+
+
+def _hidden_rows_by_expert(g, guidance_ids: jax.Array, ids: jax.Array):
+  """The rollout's 'moe_hidden' guidance rows for this block's (token, slot) assignments, matched by expert.
+
+  g: rows [T, k, ...] in the rollout's slot order, whose experts are guidance_ids [T, k]; ids [T, k]:
+  this block's experts. Returns (rows [T * k, ...] in this block's slot order, found [T * k]: whether
+  the rollout ran that expert for that token; where it did not, the row is a placeholder).
+  """
+  t, k = ids.shape
+  same = ids[:, :, None] == guidance_ids[:, None, :]  # [T, k (ours), k (rollout's)]; a top-k has distinct experts
+  rows = jnp.arange(t)[:, None] * k + jnp.argmax(same, axis=-1)
+  return qat.take_rows(g, rows.reshape(-1), t * k), jnp.any(same, axis=-1).reshape(-1)
 
 
 def moe_block(
@@ -113,9 +127,14 @@ def moe_block(
   replay_ids: jax.Array | None = None,
   impl: str = "sorted",
   expert_parallel: ExpertParallel | None = None,
+  guidance_ids: jax.Array | None = None,
 ) -> MoEOutput:
   """x [T, H] -> MoEOutput. `guidance` maps 'moe_input' ([T] rows) and 'moe_hidden' ([T, k] rows).
 
+  guidance_ids [T, k]: the experts whose hidden activations the 'moe_hidden' rows hold, slot by
+  slot (the rollout's top-k). Given, each of this block's (token, expert) rows takes the rollout's
+  row of the same expert, and an expert the rollout did not run for that token is rounded to
+  nearest and left out of the counts. None: the rows follow this block's slots (routing replay).
   impl='ep' needs `expert_parallel` (the mesh and capacity) and reports dropped assignments.
   """
   dt = ctx.compute_dtype
@@ -127,6 +146,9 @@ def moe_block(
   xq, stats_in = ctx.guided_activation(x, "experts", guidance.get(MOE_INPUT), MOE_INPUT)
   stats = {MOE_INPUT: stats_in}
   g_hidden = guidance.get(MOE_HIDDEN)
+  found = None  # [T * k]: the assignments the rollout's guidance covers; None = all of them
+  if g_hidden is not None and guidance_ids is not None:
+    g_hidden, found = _hidden_rows_by_expert(g_hidden, guidance_ids, ids)
   dropped = None
 
   if impl == "sorted":
@@ -134,7 +156,8 @@ def moe_block(
     order = jnp.argsort(flat_ids, stable=True)
     group_sizes = jnp.bincount(flat_ids, length=config.num_experts).astype(jnp.int32)
     g_sorted = qat.take_rows(g_hidden, order, t * k)
-    y_sorted, s_hidden = _expert_ffn(ctx, (gate_w, up_w, down_w), xq[order // k], g_sorted, group_sizes)
+    found_sorted = None if found is None else found[order]
+    y_sorted, s_hidden = _expert_ffn(ctx, (gate_w, up_w, down_w), xq[order // k], g_sorted, found_sorted, group_sizes)
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k))
     s_hidden = jax.tree_util.tree_map(lambda a: a[inverse].reshape(t, k), s_hidden)
@@ -145,7 +168,7 @@ def moe_block(
     h_all = jax.nn.silu(gate) * up  # [T, E, I]
     h = jnp.einsum("tke,tei->tki", onehot, h_all).astype(dt)  # exact: one-hot picks one expert
     g_rows = qat.flatten_rows(g_hidden, t * k)
-    hq, s_hidden = ctx.guided_activation(h.reshape(t * k, -1), "experts", g_rows, MOE_HIDDEN)
+    hq, s_hidden = ctx.guided_activation(h.reshape(t * k, -1), "experts", g_rows, MOE_HIDDEN, found)
     s_hidden = jax.tree_util.tree_map(lambda a: a.reshape(t, k), s_hidden)
     y_all = jnp.einsum("ti,eih->teh", hq.astype(dt), down_w.astype(dt), preferred_element_type=jnp.float32)
     y = jnp.einsum("tke,tkeh->tkh", onehot, y_all.reshape(t, k, config.num_experts, -1))
@@ -154,11 +177,16 @@ def moe_block(
       raise ValueError("moe_impl='ep' needs an ExpertParallel (the mesh and capacity).")
     g_rows = qat.flatten_rows(g_hidden, t * k)  # per-assignment rows travel with the tokens
     tensor_scale = None if g_rows is None else g_rows.tensor_scale
-    payload = None if g_rows is None else dataclasses.replace(g_rows, tensor_scale=None)
+    # found as uint8: the exchange's buffers and collectives need not take booleans
+    payload = (
+      None if g_rows is None else dataclasses.replace(g_rows, tensor_scale=None),
+      None if found is None else found.astype(jnp.uint8),
+    )
 
     def ffn(weights, xs, rows, group_sizes, tensor_scale):
-      g = None if rows is None else dataclasses.replace(rows, tensor_scale=tensor_scale)
-      return _expert_ffn(ctx, weights, xs, g, group_sizes)
+      g_local, found_local = rows
+      g = None if g_local is None else dataclasses.replace(g_local, tensor_scale=tensor_scale)
+      return _expert_ffn(ctx, weights, xs, g, found_local, group_sizes)
 
     weights3 = (gate_w, up_w, down_w)
     y, s_hidden, dropped = experts(expert_parallel, ffn, weights3, xq.astype(dt), ids, payload, tensor_scale)

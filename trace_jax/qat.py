@@ -58,7 +58,9 @@ class QatContext:
     q = self.quant
     return fake_quant(x, q.fmt, tensor_amax=self._batch_amax(x), clip_gradient=q.clip_gradient)[0]
 
-  def guided_activation(self, x: jax.Array, target: str, guidance: Guidance | None, tensor: str):
+  def guided_activation(
+    self, x: jax.Array, target: str, guidance: Guidance | None, tensor: str, found: jax.Array | None = None
+  ):
     """Fake-quant x [..., K] row by row; returns (values, QuantStats with per-row counts [...]).
 
     tensor: which guided tensor x is (config.GUIDED_TENSORS), for `guided_tensors`.
@@ -68,9 +70,12 @@ class QatContext:
     `qat_w4a16` modes) is only measured: x comes back unchanged, with its agreement counts.
     Two-level NVFP4: rows whose guidance carries the rollout's tensor scale use it, others the
     amax of this batch.
+    found [...] (x's rows, nonzero = true; None = all): rows whose guidance the rollout recorded.
+    The others (an expert the rollout did not run for that token) hold placeholder guidance: they
+    are rounded to nearest on their own scales and left out of the counts.
     """
     rows = x.shape[:-1]
-    zeros = QuantStats(jnp.zeros(rows, jnp.int32), jnp.zeros(rows, jnp.int32))
+    zeros = QuantStats(*(jnp.zeros(rows, jnp.int32) for _ in dataclasses.fields(QuantStats)))
     q = self.quant
     enabled = q is not None and q.quantizes(target) and (target == "kv" or q.activations)
     if guidance is None or q is None:
@@ -84,6 +89,12 @@ class QatContext:
     amax = self._batch_amax(x)
     one = lambda xr, gr: fake_quant(xr, q.fmt, gr, tensor_amax=amax, guided=guided, clip_gradient=q.clip_gradient)
     values, stats = jax.vmap(one, in_axes=(0, axes))(x.reshape(n, x.shape[-1]), g)
+    if found is not None:
+      found = found.reshape(n).astype(bool)
+      stats = jax.tree_util.tree_map(lambda a: jnp.where(found, a, 0), stats)
+      if enabled:
+        rtn = fake_quant(x.reshape(n, x.shape[-1]), q.fmt, tensor_amax=amax, clip_gradient=q.clip_gradient)[0]
+        values = jnp.where(found[:, None], values, rtn)
     stats = jax.tree_util.tree_map(lambda a: a.reshape(rows), stats)
     return (values.reshape(x.shape) if enabled else x), stats
 

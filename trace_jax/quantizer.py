@@ -11,6 +11,14 @@ always differ in the mantissa bit, so one bit per element is enough to pick the 
   'mantissa_scale'  mantissa bit + the rollout's block scales      1.5
   'full'            full 4-bit code + block scales (diagnostics)   4.5
 
+With full codes, guided rounding is never farther from the rollout's code than RTN: it takes the
+neighbour nearest to the rollout's value. With mantissa bits alone that holds only where the
+rollout's code is one of the two neighbours (the bit then picks it exactly). Where the rollout's
+code lies two or more grid steps away, the bit can pick the farther neighbour (x / scale = 1.4,
+rollout 2: the bit 0 picks 1, RTN gives 1.5), and the bit still agrees: mantissa-bit agreement
+says nothing about codeword agreement, which `QuantStats` counts apart, with the non-adjacent
+cases, wherever full codes are at hand.
+
 Backward: straight-through; with `clip_gradient=True` the gradient is zeroed where the
 input, divided by its scale, lay beyond the representable +/-6.
 """
@@ -58,15 +66,25 @@ class Guidance:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantStats:
-  """Agreement between the trainer's codes and the rollout's, for one tensor.
+  """How the trainer's codes compare with the rollout's, for one tensor (int32 scalars).
 
-  matches counts elements whose code equals the rollout's (by value, so +0 == -0; with
-  mantissa-only guidance, whose mantissa bit equals the rollout's). With guidance off,
-  `matches == 0` and `total == 0`.
+  matches / total: elements whose code equals the rollout's full code (by value, so +0 == -0),
+    counted only where the guidance carries full codes; 0 / 0 without them.
+  bit_matches / bit_total: elements whose mantissa bit equals the rollout's, where the guidance
+    carries mantissa bits. Guided rounding forces the bit wherever x / scale has two neighbours,
+    so this is no measure of codeword agreement.
+  non_adjacent: among `total`, elements whose rollout code is neither E2M1 neighbour of
+    x / scale (the paths diverged by two or more grid steps, or x / scale sits on the grid next
+    to a rollout code off it): no rounding of x reproduces it. Every such element is a mismatch,
+    so `total - matches - non_adjacent` mismatches are one codeword apart.
+  With guidance off every count is 0.
   """
 
-  matches: jax.Array  # int32 scalar
-  total: jax.Array  # int32 scalar
+  matches: jax.Array
+  total: jax.Array
+  bit_matches: jax.Array
+  bit_total: jax.Array
+  non_adjacent: jax.Array
 
 
 def guidance_from_quantized(q: fp4.QuantizedArray, form: GuidanceForm = "mantissa_scale") -> Guidance:
@@ -130,9 +148,10 @@ def _round(x: jax.Array, fmt: fp4.Fp4Format, guidance: Guidance | None, tensor_a
   rtn = fp4.round_to_nearest_index(scaled, lo, hi)
 
   # Rounding follows the mantissa bits when present (TRACE's compact guidance), else the
-  # full codes. Agreement is measured against the full codes when present (diagnostics can
-  # ship both), else against the mantissa bits.
-  index, matches, total = rtn, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+  # full codes. Codeword agreement needs the full codes (diagnostics ship them alongside the
+  # bits); bit agreement is counted apart.
+  index = rtn
+  matches = total = bit_matches = bit_total = non_adjacent = jnp.zeros((), jnp.int32)
   if g.codes is not None:
     rollout = fp4.to_blocks(fp4.unpack_nibbles(g.codes), fmt)
     r_mag, r_sign = rollout & 7, rollout >> 3
@@ -144,15 +163,16 @@ def _round(x: jax.Array, fmt: fp4.Fp4Format, guidance: Guidance | None, tensor_a
     bits = fp4.to_blocks(fp4.unpack_bits(g.mantissa_bits), fmt)
     if guided:
       index = jnp.where((lo & 1) == bits, lo, hi)
+    bit_matches, bit_total = _count((index & 1) == bits), jnp.asarray(bits.size, jnp.int32)
   if g.codes is not None:
     same = (index == r_mag) & ((index == 0) | (r_sign == sign))  # equal values; +0 == -0
+    neighbour = ((r_mag == lo) | (r_mag == hi)) & ((r_mag == 0) | (r_sign == sign))
     matches, total = _count(same), jnp.asarray(rollout.size, jnp.int32)
-  elif g.mantissa_bits is not None:
-    matches, total = _count((index & 1) == bits), jnp.asarray(bits.size, jnp.int32)
+    non_adjacent = _count(~neighbour)
   codes = fp4.encode(sign, index, scaled)
   values = fp4.e2m1_to_float(codes) * fp4.dequant_scales(scales, tensor_scale)[..., None]
   in_range = jnp.abs(scaled) <= fp4.E2M1_MAX
-  stats = QuantStats(matches.astype(jnp.int32), total)
+  stats = QuantStats(matches, total, bit_matches, bit_total, non_adjacent)
   return values.reshape(x.shape), in_range.reshape(x.shape), stats, codes.reshape(x.shape)
 
 
@@ -191,8 +211,11 @@ def fake_quant(
   """FP4 fake-quantization of `x` with blocks along `axis`; returns (values in x.dtype, stats).
 
   guidance=None: round to nearest (vanilla QAT). With guidance and `guided=True`: TRACE's
-  guided rounding; with `guided=False` the rounding is RTN and the guidance is only used to
-  measure agreement (the `qat` mode's diagnostics). `tensor_amax` turns on two-level NVFP4
+  guided rounding, always to one of the two neighbours of x / scale; with full codes it is never
+  farther from the rollout's code than RTN, with mantissa bits it reproduces the rollout's code
+  wherever that code is a neighbour and can land farther than RTN elsewhere (module docstring).
+  With `guided=False` the rounding is RTN and the guidance is only used to measure agreement
+  (the `qat` mode's diagnostics). `tensor_amax` turns on two-level NVFP4
   scaling when the guidance carries no scales and no tensor scale. Works under jit, vmap and grad.
   """
   fmt = fp4.get_format(fmt)

@@ -115,7 +115,11 @@ def routing_agreement(router_logits: jax.Array, rollout_ids: jax.Array, mask: ja
 
   router_logits [B, S, E] (the trainer's, whatever was replayed), rollout_ids [B, S, k].
   """
+  return expert_overlap(jax.lax.top_k(router_logits, rollout_ids.shape[-1])[1], rollout_ids, mask)
+
+
+def expert_overlap(ids: jax.Array, rollout_ids: jax.Array, mask: jax.Array) -> jax.Array:
+  """Fraction of the rollout's top-k experts among `ids` (both [B, S, k], distinct per token), over `mask`."""
   k = rollout_ids.shape[-1]
-  own = jax.lax.top_k(router_logits, k)[1]
-  hits = jnp.sum(own[..., :, None] == rollout_ids[..., None, :], axis=(-1, -2)) / k
+  hits = jnp.sum(ids[..., :, None] == rollout_ids[..., None, :], axis=(-1, -2)) / k
   return masked_mean(hits.astype(jnp.float32), mask)

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import optax
 
 from trace_jax import model, qat, rl, sharding
-from trace_jax.config import ModelConfig, OptimConfig, RunConfig
+from trace_jax.config import MOE_HIDDEN, ModelConfig, OptimConfig, RunConfig
 from trace_jax.experience import TrainBatch, measured_positions
+from trace_jax.quantizer import Guidance, QuantStats
 
 
 @jax.tree_util.register_dataclass
@@ -135,6 +136,48 @@ def make_reference_logprobs(run: RunConfig):
   return jax.jit(ref_logprobs)
 
 
+def _fraction(part, whole):
+  return jnp.where(whole > 0, part / jnp.maximum(whole, 1), jnp.nan)
+
+
+def quant_metrics(quant_stats: tuple[dict[str, QuantStats], ...], guidance: tuple[dict[str, Guidance], ...]) -> dict:
+  """Per layer and tensor, how the trainer's FP4 codes compare with the rollout's.
+
+  Which metrics exist follows what the rollout shipped (`guidance`, static):
+    agreement/{tensor}/layer{i}: share of codes equal to the rollout's full codes (NaN without
+      them: mantissa bits alone cannot tell, guided rounding forces them).
+    bit_agreement/{tensor}/layer{i}: share of mantissa bits equal to the rollout's, where shipped.
+    guidance/non_adjacent_frac/{tensor}/layer{i}, where codes exist: share of elements whose
+      rollout code is neither neighbour of the trainer's value (no rounding reaches it).
+    guidance/adjacent_share_of_mismatches/{tensor}/layer{i}: share of the code mismatches that
+      are one codeword apart (NaN without mismatches).
+  The last two are also pooled over every layer and tensor with codes (no `/{tensor}/layer{i}`).
+  """
+  metrics = {}
+  pooled = dict(total=0.0, mismatches=0.0, non_adjacent=0.0)
+  for i, layer_stats in enumerate(quant_stats):
+    for name, s in layer_stats.items():
+      shipped = guidance[i].get(name, Guidance())
+      metrics[f"agreement/{name}/layer{i}"] = _fraction(s.matches, s.total)
+      if shipped.mantissa_bits is not None:
+        metrics[f"bit_agreement/{name}/layer{i}"] = _fraction(s.bit_matches, s.bit_total)
+      if shipped.codes is not None:
+        mismatches = s.total - s.matches
+        metrics[f"guidance/non_adjacent_frac/{name}/layer{i}"] = _fraction(s.non_adjacent, s.total)
+        metrics[f"guidance/adjacent_share_of_mismatches/{name}/layer{i}"] = _fraction(
+          mismatches - s.non_adjacent, mismatches
+        )
+        # float sums: element counts over every layer can pass 2**31
+        for key, count in (("total", s.total), ("mismatches", mismatches), ("non_adjacent", s.non_adjacent)):
+          pooled[key] = pooled[key] + count.astype(jnp.float32)
+  if any(key.startswith("guidance/non_adjacent_frac/") for key in metrics):
+    metrics["guidance/non_adjacent_frac"] = _fraction(pooled["non_adjacent"], pooled["total"])
+    metrics["guidance/adjacent_share_of_mismatches"] = _fraction(
+      pooled["mismatches"] - pooled["non_adjacent"], pooled["mismatches"]
+    )
+  return metrics
+
+
 def _rl_forward(run: RunConfig, expert_parallel):
   """(params, batch) -> (log-probs of the targets, ForwardAux): the QAT forward (guided per the mode)."""
   ctx, config = qat_context(run), run.model
@@ -152,6 +195,7 @@ def _rl_forward(run: RunConfig, expert_parallel):
       moe_impl=moe_impl,
       expert_parallel=expert_parallel,
       stats_mask=measured_positions(batch),
+      guidance_ids=batch.rollout_ids,
     )
     return model.token_logprobs(logits, batch.targets, run.sampling), aux  # the policy that sampled
 
@@ -161,13 +205,15 @@ def _rl_forward(run: RunConfig, expert_parallel):
 def _behaviour_metrics(logp, aux, batch: TrainBatch) -> dict:
   """Train-rollout mismatch, per-layer code agreement and routing agreement of one forward."""
   metrics = rl.mismatch_metrics(jax.lax.stop_gradient(logp), batch.rollout_logp, batch.loss_mask)
-  for i, layer_stats in enumerate(aux.quant_stats):
-    for name, s in layer_stats.items():
-      metrics[f"agreement/{name}/layer{i}"] = jnp.where(s.total > 0, s.matches / jnp.maximum(s.total, 1), jnp.nan)
+  metrics.update(quant_metrics(aux.quant_stats, batch.guidance))
+  measured = measured_positions(batch)
   for i, router_logits in enumerate(aux.router_logits):
     if router_logits is not None:
-      metrics[f"routing_agreement/layer{i}"] = rl.routing_agreement(
-        router_logits, batch.rollout_ids[i], measured_positions(batch)
+      metrics[f"routing_agreement/layer{i}"] = rl.routing_agreement(router_logits, batch.rollout_ids[i], measured)
+    if router_logits is not None and MOE_HIDDEN in batch.guidance[i]:
+      # the trainer's (token, expert) rows with no rollout row: rounded to nearest, outside the counts
+      metrics[f"guidance/unmatched_expert_frac/layer{i}"] = 1 - rl.expert_overlap(
+        aux.topk_ids[i], batch.rollout_ids[i], measured
       )
   return metrics
 
