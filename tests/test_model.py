@@ -17,7 +17,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 from tests.tiny import tiny_model
 from trace_jax import model, moe, qat, quantizer, sharding
-from trace_jax.config import ConfigError, ModelConfig, QuantConfig, section
+from trace_jax.config import MOE_HIDDEN, ConfigError, ModelConfig, QuantConfig, section
 from trace_jax.expert_parallel import ExpertParallel
 
 TINY = tiny_model(initializer_range=0.1)  # O(1) logits and decisive routing
@@ -209,8 +209,9 @@ def test_rows_without_guidance_round_to_nearest():
   x = jax.random.normal(jax.random.key(11), (6, 32))
   g = quantizer.make_guidance(x * 1.3 + 0.1, form="full")[0]
   found = jnp.asarray([1, 0, 1, 1, 0, 1], bool)
-  values, stats = jax.jit(GUIDED32.guided_activation, static_argnums=1)(x, "experts", g, found)
-  guided, guided_stats = jax.jit(GUIDED32.guided_activation, static_argnums=1)(x, "experts", g)
+  run = jax.jit(GUIDED32.guided_activation, static_argnums=(1, 3))
+  values, stats = run(x, "experts", g, MOE_HIDDEN, found)
+  guided, guided_stats = run(x, "experts", g, MOE_HIDDEN)
   rtn = quantizer.fake_quant(x)[0]
   np.testing.assert_array_equal(values, jnp.where(found[:, None], guided, rtn))
   assert np.any(np.asarray(guided != rtn)[~np.asarray(found)])  # the case is not vacuous

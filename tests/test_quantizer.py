@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 
 from trace_jax import fp4, qat
-from trace_jax.config import QuantConfig
+from trace_jax.config import MOE_INPUT, QuantConfig
 from trace_jax.quantizer import (
   GUIDANCE_FORMS,
   Guidance,
@@ -387,7 +387,7 @@ def test_two_level_guidance_per_row_reproduces_the_rollout_in_every_form():
   whole = fp4.quantize(jnp.asarray(x), "nvfp4", tensor_amax=jnp.max(jnp.abs(x)))
   assert not np.array_equal(np.asarray(whole.codes), np.asarray(q.codes))  # the per-step scale matters
   ctx = qat.QatContext(QuantConfig(tensor_scale="batch_amax"), guided=True)
-  run_ctx = jax.jit(lambda v, g: ctx.guided_activation(v, "experts", g))
+  run_ctx = jax.jit(lambda v, g: ctx.guided_activation(v, "experts", g, MOE_INPUT))
   for form in GUIDANCE_FORMS:
     g = dataclasses.replace(guidance_from_quantized(q, form), codes=q.codes)  # codes to measure agreement
     assert g.tensor_scale is not None, form
