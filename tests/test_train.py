@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import struct
@@ -33,7 +34,7 @@ from configs import default
 from experiments import sweep
 from tests.tiny import TINY
 from trace_jax import checkpoint, cluster, experience, model, rollout, train, trainer
-from trace_jax.config import MODES, ConfigError, RunConfig
+from trace_jax.config import MODES, ConfigError, DataConfig, RunConfig
 from trace_jax.metrics_writer import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -540,6 +541,19 @@ def test_a_task_longer_than_the_lengths_is_refused_before_any_work(overrides, me
   with pytest.raises(ConfigError, match=message + r".*raise it to >= (8|10)\."):
     train.train_and_evaluate(cfg, str(workdir))
   assert not workdir.exists() and not data_dir.exists()
+
+
+def test_jsonl_lines_longer_than_the_lengths_are_refused_by_line(tmp_path):
+  path = tmp_path / "train.jsonl"
+  lines = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "12+34=", "answer": "46", "target": "40;46;46"}]
+  path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+  cfg = DataConfig(jsonl_train=str(path))
+  line = re.escape(f"{path}:2")
+  with pytest.raises(ConfigError, match=rf"config\.rollout\.max_new_tokens: answers of {line} need 9 tokens with EOS"):
+    train.load_data(cfg, max_new_tokens=8)
+  with pytest.raises(ConfigError, match=rf"config\.data\.max_prompt_len: prompts of {line} need 7 tokens with BOS"):
+    train.load_data(dataclasses.replace(cfg, max_prompt_len=6), max_new_tokens=9)
+  assert len(train.load_data(cfg, max_new_tokens=9)[1]) == 2
 
 
 def test_level_4_answers_fill_the_response_and_train(tmp_path, no_eval):

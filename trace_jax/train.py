@@ -238,7 +238,9 @@ class RLStep:
     t0 = time.perf_counter()
     state, metrics = self.optimize(step, state, batch)
     t_train = time.perf_counter() - t0
-    floor = rl.scale_floor_fractions(result.codes, sharding.to_host(measured_positions(batch)))
+    positions = sharding.to_host(measured_positions(batch))  # to the rollout mesh, where the codes are
+    positions = sharding.host_to_global(positions, sharding.batch_shardings(positions, topology.rollout))
+    floor = rl.scale_floor_fractions(result.codes, positions)
     metrics.update({k: float(v) for k, v in jax.device_get(floor).items()})
 
     response_mask = sharding.to_host(result.response_mask)
