@@ -219,13 +219,14 @@ def test_sample_never_draws_a_masked_id(temperature, top_k, top_p):
   tokens = np.asarray(tokens)
   assert not never[tokens].any()
   assert len(np.unique(tokens)) > 1
-  expected = model.token_logprobs(logits / temperature, jnp.asarray(tokens), cfg)
+  expected = model.token_logprobs(logits, jnp.asarray(tokens), cfg)  # the temperature is the policy's
   np.testing.assert_allclose(np.asarray(logp), np.asarray(expected), rtol=1e-6, atol=1e-6)  # fp32 rounding
   # greedy: the best allowed id (a masked one has the highest logit in most rows)
-  tokens, logp = rollout.sample(logits, jax.random.split(jax.random.key(4), n), dataclasses.replace(cfg, temperature=0))
+  greedy = dataclasses.replace(cfg, temperature=0)
+  tokens, logp = rollout.sample(logits, jax.random.split(jax.random.key(4), n), greedy)
   best = np.argmax(np.where(never, -np.inf, np.asarray(logits)), -1)
   np.testing.assert_array_equal(np.asarray(tokens), best)
-  np.testing.assert_allclose(np.asarray(logp), np.asarray(model.token_logprobs(logits, tokens, cfg)), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(logp), np.asarray(model.token_logprobs(logits, tokens, greedy)), rtol=1e-6)
 
 
 # --- the done-when check: an untrained model, 256 x 64 tokens at temperature 1 ---------------

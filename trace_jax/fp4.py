@@ -203,9 +203,10 @@ def tensor_scale_from_amax(amax: jax.Array) -> jax.Array:
   return _div(amax, E4M3_MAX * E2M1_MAX)
 
 
-def _per_block(tensor_scale: jax.Array) -> jax.Array:
-  """A scalar tensor scale as it is, one per row [...] as [..., 1] (against [..., nblocks])."""
-  return tensor_scale if jnp.ndim(tensor_scale) == 0 else tensor_scale[..., None]
+def _per_block(tensor_scale: jax.Array, block_scales: jax.Array) -> jax.Array:
+  """The tensor scale against block scales [..., nblocks]: one per row [...] gets a trailing axis;
+  a scalar, or one that already broadcasts (e.g. per expert [E, 1, 1]), is taken as it is."""
+  return tensor_scale[..., None] if jnp.ndim(tensor_scale) == jnp.ndim(block_scales) - 1 else tensor_scale
 
 
 @jax.tree_util.register_dataclass
@@ -234,7 +235,7 @@ def _e4m3_reciprocal(scales_f32: jax.Array, tensor_scale: jax.Array | None) -> j
   # torchao multiplies by the reciprocal (MSLK kernel numerics), in this exact order.
   if tensor_scale is None:
     return 1.0 / scales_f32
-  return _div(_div(1.0, _per_block(tensor_scale)), scales_f32)
+  return _div(_div(1.0, _per_block(tensor_scale, scales_f32)), scales_f32)
 
 
 def _biased_exponent(x: jax.Array) -> jax.Array:
@@ -259,7 +260,7 @@ def compute_scales(blocks: jax.Array, fmt: Fp4Format, tensor_scale: jax.Array | 
   if fmt.name == "nvfp4":
     block_scale = _div(amax, E2M1_MAX)
     if tensor_scale is not None:
-      block_scale = _div(block_scale, _per_block(tensor_scale))
+      block_scale = _div(block_scale, _per_block(tensor_scale, block_scale))
     stored = jnp.clip(block_scale, E4M3_TINY, E4M3_MAX).astype(jnp.float8_e4m3fn)
     return stored, _e4m3_reciprocal(stored.astype(jnp.float32), tensor_scale)
   if tensor_scale is not None:
@@ -303,7 +304,7 @@ def reciprocal_from_scales(scales: jax.Array, fmt: Fp4Format, tensor_scale: jax.
 def dequant_scales(scales: jax.Array, tensor_scale: jax.Array | None = None) -> jax.Array:
   """Per-block float32 multipliers that map E2M1 values back to the input's range."""
   s = scales.astype(jnp.float32)
-  return s if tensor_scale is None else s * _per_block(tensor_scale)
+  return s if tensor_scale is None else s * _per_block(tensor_scale, s)
 
 
 def to_blocks(x: jax.Array, fmt: Fp4Format) -> jax.Array:
