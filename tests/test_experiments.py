@@ -221,7 +221,9 @@ def test_smoothing_and_per_layer_profiles(seeds_sweep):
   _, rows = seeds_sweep
   profile = plotting.late_per_layer(rows[0]["workdirs"])
   assert sorted(profile) == [0, 1] and all(0 < v <= 1 for v in profile.values())
-  assert profile[1] == 1.0  # trace guides the deeper of the two layers: its codes match exactly
+  # trace guides the deeper of the two layers (the experts' input and K/V; their hidden activation is
+  # rounded to nearest): nearly every code matches
+  assert profile[1] >= 0.999
   assert plotting.late_per_layer(rows[1]["workdirs"]) == {}
 
 
