@@ -309,6 +309,6 @@ def test_notebook_ablations(overrides, tmp_path, kernel_env):
     ]
   )
   with open(root / "table.json") as f:
-    assert len(json.load(f)) == 8
+    assert len(json.load(f)) == 11
   images = sum("image/png" in out.get("data", {}) for c in nb.cells for out in c.get("outputs", []))
   assert images >= 3
