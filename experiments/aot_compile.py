@@ -182,7 +182,8 @@ def compile_decode_step(run: RunConfig, mesh, ep: ExpertParallel | None, batch: 
   params = jax.eval_shape(lambda: model.init_params(config, jax.random.key(0)))
   engine = jax.eval_shape(lambda p: rollout.weight_sync(p, engine_cfg.quant), params)
   engine_sh = sharding.logical_shardings(engine, mesh)
-  caches = jax.eval_shape(lambda: rollout.init_cache(config, batch, cache, engine_cfg.quant, jnp.bfloat16))
+  # packed only (decoded=False): the path of a GPU engine, whose Pallas kernels read FP4 storage
+  caches = jax.eval_shape(lambda: rollout.init_cache(config, batch, cache, engine_cfg.quant, jnp.bfloat16, False))
   cache_sh = sharding.logical_shardings(caches, mesh)
   column = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
   slot_mask = jax.ShapeDtypeStruct((batch, cache), jnp.int32)

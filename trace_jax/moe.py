@@ -1,8 +1,8 @@
 """The MoE block: softmax router with top-k, SwiGLU experts, optional shared expert.
 
 Expert compute has three implementations that agree (tests/test_model.py, tests/test_sharding.py):
-  * 'sorted': sort the (token, slot) pairs by expert and run grouped matmuls
-    (`lax.ragged_dot`), the trainer's path;
+  * 'sorted': sort the (token, slot) pairs by expert and run grouped matmuls (`grouped_dot`:
+    `lax.ragged_dot` on GPU/TPU, batched matmuls over row tiles on CPU), the trainer's path;
   * 'dense': every expert on every selected slot, picked with a one-hot; the reference;
   * 'ep': expert parallelism over a mesh (expert_parallel.py): the sorted path's expert FFN,
     run where the experts live, with an all_to_all dispatch and a capacity.
@@ -83,12 +83,109 @@ def route(router_logits: jax.Array, config: ModelConfig, replay_ids: jax.Array |
   return ids.astype(jnp.int32), weights
 
 
-def _grouped_dot(x, w, group_sizes):
-  """Rows x [R, K] grouped by expert times w [E, K, N] (fp32 accumulation); group_sizes=None: E equal groups."""
+GROUPED_DOT_IMPLS = ("auto", "ragged", "tiled", "capacity")
+
+
+def grouped_dot_impl(impl: str = "auto", inference: bool = False) -> str:
+  """The implementation `impl` names; 'auto' is 'ragged' (the grouped kernel) off CPU, and on CPU
+  'tiled' (differentiable, static) for training, 'capacity' (no weight gather) for inference."""
+  if impl not in GROUPED_DOT_IMPLS:
+    raise ValueError(f"grouped_dot: impl must be one of {GROUPED_DOT_IMPLS}, got {impl!r}.")
+  if impl == "auto":
+    return ("capacity" if inference else "tiled") if jax.default_backend() == "cpu" else "ragged"
+  return impl
+
+
+def tile_rows(rows: int, groups: int) -> int:
+  """Rows per tile of the tiled grouped dot: about the mean group size, a power of two in [4, 256]."""
+  mean = max(rows // max(groups, 1), 1)
+  return int(min(max(1 << (mean.bit_length() - 1), 4), 256))
+
+
+def _tiled_grouped_dot(x, w, group_sizes, transpose_w: bool):
+  """`lax.ragged_dot` as batched matmuls over tiles of `tile_rows` rows, each tile within one group.
+
+  Each group's rows are padded to whole tiles (at most ceil(R / m) + G - 1 tiles: a static shape),
+  every tile takes its group's weight matrix (a gather of [tiles, K, N]) and one batched einsum
+  does the arithmetic. XLA:CPU lowers `ragged_dot` to per-group masked work about 25x slower than
+  a dense matmul of the same size; this runs at about the dense rate, differentiably (the
+  gathers' transposes are scatter-adds), at the cost of the padding rows and the weight gather.
+  Rows past sum(group_sizes) give zeros, as in ragged_dot.
+  """
+  r, g = x.shape[0], w.shape[0]
+  m = tile_rows(r, g)
+  tiles = -(-r // m) + g - 1
+  group_sizes = group_sizes.astype(jnp.int32)
+  tiles_per_group = -(-group_sizes // m)
+  tile_end = jnp.cumsum(tiles_per_group)
+  row_group, rank = _row_groups(group_sizes, r)  # rows past the last group: g
+  # each tile's group (unused tiles: the last group's, with zero rows)
+  tile_group = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(tiles), side="right", method="compare_all"), g - 1)
+  safe = jnp.minimum(row_group, g - 1)
+  dest = jnp.where(
+    row_group < g, (tile_end - tiles_per_group)[safe] * m + rank, tiles * m + jnp.arange(r)
+  )  # OOB: dropped
+  padded = jnp.zeros((tiles * m, x.shape[1]), x.dtype).at[dest].set(x, mode="drop", unique_indices=True)
+  wt = w[tile_group]  # [tiles, K, N] (transpose_w: [tiles, N, K])
+  spec = "tmk,tnk->tmn" if transpose_w else "tmk,tkn->tmn"
+  out = jnp.einsum(spec, padded.reshape(tiles, m, -1), wt, preferred_element_type=jnp.float32)
+  return jnp.take(out.reshape(tiles * m, -1), dest, axis=0, mode="fill", fill_value=0)
+
+
+def _row_groups(group_sizes, rows: int):
+  """Each sorted row's group (G past the last group) and its rank within the group."""
+  g = group_sizes.shape[0]
+  row_end = jnp.cumsum(group_sizes)
+  row_group = jnp.searchsorted(row_end, jnp.arange(rows), side="right", method="compare_all")
+  rank = jnp.arange(rows) - (row_end - group_sizes)[jnp.minimum(row_group, g - 1)]
+  return row_group, rank
+
+
+def _capacity_grouped_dot(x, w, group_sizes, transpose_w: bool):
+  """`lax.ragged_dot` as one batched matmul [G, C, K] x [G, K, N] with no weight gather, the
+  capacity C picked at run time (`lax.switch`) from static buckets: the mean group size rounded up
+  to a power of two, doubled up to the row count, so no row is ever dropped. Each bucket is a
+  compiled branch; meant for inference (decode), where G * C stays near the row count."""
+  r, g = x.shape[0], w.shape[0]
+  group_sizes = group_sizes.astype(jnp.int32)
+  row_group, rank = _row_groups(group_sizes, r)
+  buckets = [1 << max(-(-r // g) - 1, 0).bit_length()]
+  while buckets[-1] < r:
+    buckets.append(min(2 * buckets[-1], r))
+  spec = "gck,gnk->gcn" if transpose_w else "gck,gkn->gcn"
+
+  def branch(c):
+    def run(x, w):
+      buf = jnp.zeros((g, c, x.shape[1]), x.dtype).at[row_group, rank].set(x, mode="drop")
+      out = jnp.einsum(spec, buf, w, preferred_element_type=jnp.float32)
+      return out.at[row_group, rank].get(mode="fill", fill_value=0)
+
+    return run
+
+  largest = jnp.max(group_sizes)
+  index = jnp.sum(jnp.asarray(buckets[:-1], jnp.int32) < largest)
+  return jax.lax.switch(index, [branch(c) for c in buckets], x, w)
+
+
+def grouped_dot(x, w, group_sizes, *, transpose_w: bool = False, impl: str = "auto", inference: bool = False):
+  """Rows x [R, K] sorted by group times their group's w[g] [K, N] (transpose_w: w[g] is [N, K]),
+  fp32 accumulation -> [R, N] float32. group_sizes [G]; None: G equal groups (a batched matmul).
+
+  impl: 'ragged' (`lax.ragged_dot`, the grouped kernel on GPU/TPU), 'tiled' (batched matmuls over
+  row tiles), 'capacity' (one batched matmul over capacity buckets); 'auto' picks by backend and
+  `inference` (see grouped_dot_impl). They agree to fp32 rounding (tests/test_model.py).
+  """
   if group_sizes is None:
     xg = x.reshape(w.shape[0], -1, x.shape[-1])
-    return jnp.einsum("erk,ekn->ern", xg, w, preferred_element_type=jnp.float32).reshape(-1, w.shape[-1])
-  return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+    spec = "erk,enk->ern" if transpose_w else "erk,ekn->ern"
+    return jnp.einsum(spec, xg, w, preferred_element_type=jnp.float32).reshape(xg.shape[0] * xg.shape[1], -1)
+  impl = grouped_dot_impl(impl, inference)
+  if impl == "tiled":
+    return _tiled_grouped_dot(x, w, group_sizes, transpose_w)
+  if impl == "capacity":
+    return _capacity_grouped_dot(x, w, group_sizes, transpose_w)
+  w = jnp.swapaxes(w, 1, 2) if transpose_w else w
+  return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
 
 
 def _expert_ffn(ctx: qat.QatContext, weights, xs, g_rows, found, group_sizes):
@@ -97,11 +194,11 @@ def _expert_ffn(ctx: qat.QatContext, weights, xs, g_rows, found, group_sizes):
   dt = ctx.compute_dtype
   gate_w, up_w, down_w = weights
   xs = xs.astype(dt)
-  gate = _grouped_dot(xs, gate_w.astype(dt), group_sizes)
-  up = _grouped_dot(xs, up_w.astype(dt), group_sizes)
+  gate = grouped_dot(xs, gate_w.astype(dt), group_sizes)
+  up = grouped_dot(xs, up_w.astype(dt), group_sizes)
   h = (jax.nn.silu(gate) * up).astype(dt)
   hq, s_hidden = ctx.guided_activation(h, "experts", g_rows, MOE_HIDDEN, found)
-  y = _grouped_dot(hq.astype(dt), down_w.astype(dt), group_sizes)
+  y = grouped_dot(hq.astype(dt), down_w.astype(dt), group_sizes)
   return y, s_hidden
 
 

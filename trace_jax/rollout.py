@@ -2,11 +2,18 @@
 
 A separate execution path from the trainer's `model.forward`, computing the way inference
 engines do: a bf16 residual stream and bf16 activations, RMSNorm in fp32 returning bf16,
-bf16 RoPE tables, routed-expert weights stored packed FP4 (codes + block scales) and
-dequantized inside the grouped matmul, expert activations quantized online with RTN (NVFP4
-optionally two-level, the tensor scale from each call's batch), an FP4 KV cache (packed codes +
-scales per token and head) and decode attention over the
-cached K/V with its own fp32 softmax. It returns the sampled tokens, their rollout
+bf16 RoPE tables, routed-expert weights stored packed FP4 (codes + block scales), expert
+activations quantized online with RTN (NVFP4 optionally two-level, the tensor scale from each
+call's batch), an FP4 KV cache (packed codes + scales per token and head) and decode attention
+over the cached K/V with its own fp32 softmax.
+
+Where FP4 values are used. With the Pallas kernel (GPU) the packed experts are decoded inside
+the grouped matmul and the KV cache is decoded where attention reads it. Where there is no FP4
+arithmetic (`pallas_kernels.select_impl` gives 'reference': CPU, or matmul_impl='reference'),
+FP4 storage is decoded once instead of at every use: the experts once per `generate` (once per
+weight sync) and each K/V slot once, when it is written, into a cache of its decoded values kept
+beside the codes. The values are the same (an E2M1 code times an E4M3 or E8M0 scale is exact in
+bf16; two-level weights decode to fp32), so this changes the cost, not the numerics. It returns the sampled tokens, their rollout
 log-probs, per-layer top-k expert ids (routing replay) and the compact TRACE guidance,
 laid out by sequence position so the trainer consumes it directly.
 
@@ -23,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from trace_jax import attention, fp4, qat
+from trace_jax import attention, fp4, moe, qat
 from trace_jax.config import (
   KEY,
   MOE_HIDDEN,
@@ -50,7 +57,8 @@ from trace_jax.sharding import param_field
 class EngineMoE:
   """Routed experts in the engine layout [E, N, K] (rows = outputs, blocks along K).
 
-  gate/up: [E, I, H] and down: [E, H, I], as fp4.QuantizedArray (FP4 engine) or bf16.
+  gate/up: [E, I, H] and down: [E, H, I], as fp4.QuantizedArray (FP4 engine) or bf16 (the BF16
+  engine, and FP4 experts decoded once where there is no FP4 matmul: see `decode_once`).
   """
 
   router: jax.Array = param_field("embed", None)
@@ -113,16 +121,52 @@ def weight_sync(params: Params, quant: QuantConfig | None, dtype=jnp.bfloat16) -
 # --- the packed-weight matmul (one entry point; the Pallas kernel plugs in here) ----------
 
 
-def grouped_matmul(x: jax.Array, w: fp4.QuantizedArray | jax.Array, group_sizes: jax.Array, impl: str = "auto"):
+def grouped_matmul(x: jax.Array, w: fp4.QuantizedArray | jax.Array, group_sizes: jax.Array | None, impl: str = "auto"):
   """x [M, K] (rows sorted by group) times w[g] [N, K]^T -> [M, N] in x's dtype, fp32 accumulation.
+  group_sizes=None: every group has M / E rows (expert parallel's dense exchange).
 
   Packed FP4 weights go through `pallas_kernels.grouped_packed_matmul`: the Pallas kernel on
-  GPU with impl='auto' (logged once), its jnp reference elsewhere.
+  GPU with impl='auto' (logged once), its jnp reference elsewhere. Decoded weights go through
+  `moe.grouped_dot` (batched matmuls over row tiles on CPU, `lax.ragged_dot` elsewhere).
   """
   if isinstance(w, fp4.QuantizedArray):
-    return pallas_kernels.grouped_packed_matmul(x, group_sizes, w, impl=impl)
-  out = jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), group_sizes, preferred_element_type=jnp.float32)
-  return out.astype(x.dtype)
+    if group_sizes is None:
+      w, group_sizes = _decoded(w, x.dtype), None  # the dense exchange's equal groups: a batched matmul
+    else:
+      return pallas_kernels.grouped_packed_matmul(x, group_sizes, w, impl=impl)
+  return moe.grouped_dot(x.astype(w.dtype), w, group_sizes, transpose_w=True, inference=True).astype(x.dtype)
+
+
+def _decoded(w: fp4.QuantizedArray, dtype) -> jax.Array:
+  """Packed experts [E, N, K] as values: in `dtype` when exact there (single-level scales), else fp32."""
+  if w.tensor_scale is not None:  # a per-expert tensor scale broadcasts over [E, N, blocks]
+    w = dataclasses.replace(w, tensor_scale=jnp.asarray(w.tensor_scale, jnp.float32).reshape(-1, 1, 1))
+    return fp4.dequantize(w, jnp.float32)
+  return fp4.dequantize(w, dtype)
+
+
+def decodes_once(rollout_config: RolloutConfig) -> bool:
+  """Whether FP4 storage is decoded once (no FP4 arithmetic on this backend) or at every use."""
+  return pallas_kernels.select_impl(rollout_config.matmul_impl, "rollout.generate") == "reference"
+
+
+def decode_once(params: EngineParams, dtype) -> EngineParams:
+  """The engine's params with packed routed experts decoded to values in `dtype` (see the module
+  doc). Experts stay in the compute dtype, not the fp32 carrier: a decode step streams every
+  expert's weights, and bf16 halves those bytes (the batched matmul reads bf16 natively)."""
+
+  def decode(w):
+    return _decoded(w, dtype) if isinstance(w, fp4.QuantizedArray) else w.astype(dtype)
+
+  def layer_(layer: LayerParams):
+    if not isinstance(layer.mlp, EngineMoE):
+      return layer
+    m = layer.mlp
+    return dataclasses.replace(
+      layer, mlp=dataclasses.replace(m, gate=decode(m.gate), up=decode(m.up), down=decode(m.down))
+    )
+
+  return dataclasses.replace(params, layers=tuple(layer_(layer) for layer in params.layers))
 
 
 # --- the KV cache -------------------------------------------------------------------------
@@ -131,25 +175,40 @@ def grouped_matmul(x: jax.Array, w: fp4.QuantizedArray | jax.Array, group_sizes:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-  """One layer's cache [B, T, KV, D]: packed FP4 (codes + scales per token and head) or bf16."""
+  """One layer's cache.
 
-  k: fp4.QuantizedArray | jax.Array = param_field("batch", "cache_sequence", "kv_heads", "head_dim")
-  v: fp4.QuantizedArray | jax.Array = param_field("batch", "cache_sequence", "kv_heads", "head_dim")
+  k / v: the FP4 cache, packed codes + scales per token and head [B, T, KV, D / 2] (None for a
+  bf16 cache). k_values / v_values: values [B, KV, T, D] in the layout attention reads, in the
+  engine's carrier dtype: the bf16 cache, or the FP4 cache decoded once slot by slot (None when
+  attention decodes the packed cache at every step, the path of backends with FP4 arithmetic).
+  """
+
+  k: fp4.QuantizedArray | None = param_field("batch", "cache_sequence", "kv_heads", "head_dim", default=None)
+  v: fp4.QuantizedArray | None = param_field("batch", "cache_sequence", "kv_heads", "head_dim", default=None)
+  k_values: jax.Array | None = param_field("batch", "kv_heads", "cache_sequence", "head_dim", default=None)
+  v_values: jax.Array | None = param_field("batch", "kv_heads", "cache_sequence", "head_dim", default=None)
 
 
-def init_cache(config: ModelConfig, batch: int, length: int, quant: QuantConfig | None, dtype) -> tuple[KVCache, ...]:
+def init_cache(
+  config: ModelConfig, batch: int, length: int, quant: QuantConfig | None, dtype, decoded: bool = True
+) -> tuple[KVCache, ...]:
+  """Empty caches for every layer. dtype: the engine's compute dtype; the values are held in its
+  carrier (`carrier_dtype`). decoded=False keeps an FP4 cache packed only (attention decodes it at
+  every step)."""
+  dtype = carrier_dtype(dtype)
+  values = jnp.zeros((batch, config.num_kv_heads, length, config.head_dim), dtype)
+  if quant is None or not quant.quantizes("kv"):
+    return tuple(KVCache(None, None, values, values) for _ in range(config.num_layers))
   shape = (batch, length, config.num_kv_heads, config.head_dim)
-  if quant is not None and quant.quantizes("kv"):
-    fmt = quant.format
-    empty = fp4.QuantizedArray(
-      jnp.zeros((*shape[:-1], shape[-1] // 2), jnp.uint8),
-      jnp.zeros((*shape[:-1], shape[-1] // fmt.block_size), fmt.scale_dtype),
-      jnp.zeros(shape[:-1], jnp.float32) if quant.two_level else None,  # each slot keeps its step's scale
-      fmt,
-    )
-  else:
-    empty = jnp.zeros(shape, dtype)
-  return tuple(KVCache(empty, empty) for _ in range(config.num_layers))
+  fmt = quant.format
+  packed = fp4.QuantizedArray(
+    jnp.zeros((*shape[:-1], shape[-1] // 2), jnp.uint8),
+    jnp.zeros((*shape[:-1], shape[-1] // fmt.block_size), fmt.scale_dtype),
+    jnp.zeros(shape[:-1], jnp.float32) if quant.two_level else None,  # each slot keeps its step's scale
+    fmt,
+  )
+  values = values if decoded else None
+  return tuple(KVCache(packed, packed, values, values) for _ in range(config.num_layers))
 
 
 def _write(buffer, value, start):
@@ -176,6 +235,38 @@ def _store(x: jax.Array, quant: QuantConfig | None):
   return x
 
 
+def carrier_dtype(dtype) -> jnp.dtype:
+  """The dtype the KV cache's values are held in: the compute dtype, except on XLA:CPU, where bf16
+  values are held in fp32 (exactly: bf16 is fp32 with fewer mantissa bits). XLA:CPU runs bf16
+  dynamic-update-slices through fp32 and back (a copy of the whole cache per step); in fp32 they
+  run in place. Values are rounded to bf16 where the engine rounds (`_carry`), and a matmul of
+  bf16 values in fp32 with fp32 accumulation is the bf16 matmul up to the order of accumulation."""
+  dtype = jnp.dtype(dtype)
+  return jnp.dtype(jnp.float32) if dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else dtype
+
+
+def _carry(x: jax.Array, dtype) -> jax.Array:
+  """x's values held in `dtype`: a bf16 array in the fp32 carrier is rounded to bf16 explicitly
+  (`reduce_precision`), since XLA may keep excess precision through a bf16 -> fp32 convert."""
+  if x.dtype == jnp.bfloat16 and dtype == jnp.float32:
+    return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
+  return x.astype(dtype)
+
+
+def _cache_update(cache: KVCache, k, v, start, st: EngineSettings):
+  """Write new K/V [B, S, KV, D] at slot `start`; returns (cache, keys, values [B, KV, T, D])."""
+  carrier = st.carrier
+  if cache.k is not None:  # FP4: RTN codes + scales, as engines quantize K/V online
+    k, v = _store(k, st.quant), _store(v, st.quant)
+    cache = dataclasses.replace(cache, k=_write(cache.k, k, start), v=_write(cache.v, v, start))
+    if cache.k_values is None:  # decode the whole cache where attention reads it
+      return cache, *(_carry(jnp.swapaxes(_load(c, st.dtype), 1, 2), carrier) for c in (cache.k, cache.v))
+  slot = lambda a, dtype: _carry(jnp.swapaxes(_load(a, st.dtype), 1, 2), dtype)  # the new slots' values, once
+  write = lambda buffer, a: jax.lax.dynamic_update_slice_in_dim(buffer, slot(a, buffer.dtype), start, axis=2)
+  cache = dataclasses.replace(cache, k_values=write(cache.k_values, k), v_values=write(cache.v_values, v))
+  return cache, cache.k_values, cache.v_values
+
+
 def _load(stored, dtype) -> jax.Array:
   return fp4.dequantize(stored, dtype) if isinstance(stored, fp4.QuantizedArray) else stored
 
@@ -199,6 +290,10 @@ class EngineSettings:
   @property
   def dtype(self):
     return jnp.dtype(self.rollout.compute_dtype)
+
+  @property
+  def carrier(self):
+    return carrier_dtype(self.dtype)
 
   def records(self, layer: int) -> bool:
     if self.quant is None or not self.quant.quantizes("experts") or not self.quant.activations:
@@ -230,17 +325,19 @@ def _attention(p, x, cache: KVCache, start, positions, slot_mask, st: EngineSett
     q, k = attention.rms_norm(q, p.q_norm, c.rms_norm_eps), attention.rms_norm(k, p.k_norm, c.rms_norm_eps)
   cos, sin = attention.rope_tables(positions, c.head_dim, c.rope_theta, dtype=dt)
   q, k = attention.apply_rope(q, cos, sin), attention.apply_rope(k, cos, sin)
-  cache = KVCache(_write(cache.k, _store(k, quant), start), _write(cache.v, _store(v, quant), start))
-  keys, values = _load(cache.k, dt), _load(cache.v, dt)  # [B, T, KV, D]
-  t = keys.shape[1]
+  cache, keys, values = _cache_update(cache, k, v, start, st)  # keys, values [B, KV, T, D]
+  t = keys.shape[2]
   groups = c.num_heads // c.num_kv_heads
-  qg = q.reshape(b, s, c.num_kv_heads, groups, c.head_dim)
-  scores = jnp.einsum("bskgd,btkd->bkgst", qg, keys, preferred_element_type=jnp.float32) * (c.head_dim**-0.5)
-  query_slot = start + jnp.arange(s)
+  # queries [B, KV, groups * S, D]: batch axes first, as the matmuls want them
+  qg = q.reshape(b, s, c.num_kv_heads, groups, c.head_dim).transpose(0, 2, 3, 1, 4)
+  qg = _carry(qg.reshape(b, c.num_kv_heads, groups * s, c.head_dim), keys.dtype)
+  scores = jnp.einsum("bkqd,bktd->bkqt", qg, keys, preferred_element_type=jnp.float32) * (c.head_dim**-0.5)
+  query_slot = jnp.tile(start + jnp.arange(s), groups)  # [groups * S], group-major
   allowed = (jnp.arange(t)[None, :] <= query_slot[:, None])[None] & slot_mask[:, None, :].astype(bool)
-  scores = jnp.where(allowed[:, None, None], scores, attention.NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-  out = jnp.einsum("bkgst,btkd->bskgd", probs, values, preferred_element_type=jnp.float32).astype(dt)
+  scores = jnp.where(allowed[:, None], scores, attention.NEG_INF)
+  probs = _carry(jax.nn.softmax(scores, axis=-1).astype(dt), values.dtype)
+  out = jnp.einsum("bkqt,bktd->bkqd", probs, values, preferred_element_type=jnp.float32).astype(dt)
+  out = out.reshape(b, c.num_kv_heads, groups, s, c.head_dim).transpose(0, 3, 1, 2, 4)
   out, _ = _act(out.reshape(b, s, c.num_heads, c.head_dim), quant, "attention")
   return jnp.einsum("bsnd,ndh->bsh", out, p.o, preferred_element_type=jnp.float32).astype(dt), cache
 
@@ -252,14 +349,6 @@ def _mlp(p: MLPParams, x, quant, target):
   return _dot(hq, p.down)
 
 
-def _equal_groups_matmul(x: jax.Array, w: fp4.QuantizedArray | jax.Array):
-  """x [E * M, K] (M rows per group) times w[g] [N, K]^T: the batched form of grouped_matmul."""
-  wd = fp4.dequantize(w, x.dtype) if isinstance(w, fp4.QuantizedArray) else w
-  xg = x.reshape(wd.shape[0], -1, x.shape[-1])
-  out = jnp.einsum("emk,enk->emn", xg, wd, preferred_element_type=jnp.float32)
-  return out.reshape(-1, wd.shape[1]).astype(x.dtype)
-
-
 def _experts(weights, xs, group_sizes, st: EngineSettings):
   """Packed-FP4 SwiGLU experts on rows grouped by expert: (out rows, hidden QuantizedArray rows | None).
 
@@ -267,12 +356,11 @@ def _experts(weights, xs, group_sizes, st: EngineSettings):
   """
   gate_w, up_w, down_w = weights
   impl = st.rollout.matmul_impl
-  matmul = _equal_groups_matmul if group_sizes is None else lambda x, w: grouped_matmul(x, w, group_sizes, impl)
-  gate = matmul(xs, gate_w).astype(jnp.float32)
-  up = matmul(xs, up_w)
+  gate = grouped_matmul(xs, gate_w, group_sizes, impl).astype(jnp.float32)
+  up = grouped_matmul(xs, up_w, group_sizes, impl)
   h = (jax.nn.silu(gate) * up).astype(st.dtype)
   hq, q_hidden = _act(h, st.quant, "experts")
-  return matmul(hq, down_w), q_hidden
+  return grouped_matmul(hq, down_w, group_sizes, impl), q_hidden
 
 
 def _moe(p: EngineMoE, x, st: EngineSettings, record: bool):
@@ -346,6 +434,13 @@ def _forward(params: EngineParams, tokens, caches, start, positions, slot_mask, 
 # --- sampling -----------------------------------------------------------------------------
 
 
+def _argmax(x: jax.Array) -> jax.Array:
+  """jnp.argmax over the last axis (the first maximum; int32) as two plain reductions: XLA:CPU runs
+  argmax's (value, index) reduction 2-3x slower than a max and a min."""
+  first = jnp.where(x == jnp.max(x, axis=-1, keepdims=True), jnp.arange(x.shape[-1]), x.shape[-1])
+  return jnp.min(first, axis=-1).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig):
   """Sample one token per row; returns (tokens [B], log-probs [B]).
 
@@ -356,7 +451,7 @@ def sample(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig):
   """
   scaled = policy_logits(logits, cfg)
   if cfg.temperature == 0:
-    tokens = jnp.argmax(scaled, axis=-1)
+    tokens = _argmax(scaled)
     return tokens.astype(jnp.int32), jnp.take_along_axis(jax.nn.log_softmax(scaled), tokens[:, None], -1)[:, 0]
   logp = jax.nn.log_softmax(scaled)
   filtered = scaled
@@ -370,7 +465,9 @@ def sample(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig):
     cutoff_index = jnp.sum(cum - jax.nn.softmax(sorted_logits) < cfg.top_p, axis=-1, keepdims=True) - 1
     cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
     filtered = jnp.where(filtered < cutoff, -jnp.inf, filtered)
-  tokens = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+  # jax.random.categorical's Gumbel-max, with its noise, and the argmax below
+  gumbel = jax.vmap(lambda k: jax.random.gumbel(k, filtered.shape[-1:], filtered.dtype))(keys)
+  tokens = _argmax(gumbel + filtered)
   return tokens, jnp.take_along_axis(logp, tokens[:, None], -1)[:, 0]
 
 
@@ -455,7 +552,10 @@ def generate(
   prompt_positions = attention.positions_from_mask(prompt_mask)
   prompt_len = jnp.sum(prompt_mask, axis=1)
 
-  caches = init_cache(model_config, b, total, rollout_config.quant, st.dtype)
+  once = decodes_once(rollout_config)
+  if once:
+    params = decode_once(params, st.dtype)
+  caches = init_cache(model_config, b, total, rollout_config.quant, st.dtype, decoded=once)
   buffers = _record_buffers(st, b, total)
   topk_buf = tuple(
     jnp.zeros((b, total, model_config.num_experts_per_tok), jnp.int32) if model_config.is_moe_layer(i) else None
