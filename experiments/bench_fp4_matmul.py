@@ -3,6 +3,7 @@
   python experiments/bench_fp4_matmul.py            # on a GPU: the full tables (a few minutes)
   python experiments/bench_fp4_matmul.py --sweep    # + tile configs at K=N=4096 and T=8 (~5 more minutes)
   python experiments/bench_fp4_matmul.py --smoke    # anywhere: tiny shapes, Pallas interpret mode
+  ... --json PATH                                   # also every figure as JSON (rewritten after each row)
 
 Dense (nn.Linear, weight [N, K]): x[M, K] bf16 with M in {1, 8, 64}, K = N in {4096, 8192}:
   bf16         jnp.dot(x, w.T) with bf16 weights (XLA / cuBLAS)
@@ -36,7 +37,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import math
+import os
+import pathlib
 import statistics
 import sys
 import time
@@ -45,9 +49,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import fp4_matmul as dense
-from pallas_kernels import grouped_fp4_matmul as grouped
-from trace_jax import fp4
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from pallas_kernels import fp4_matmul as dense  # noqa: E402
+from pallas_kernels import grouped_fp4_matmul as grouped  # noqa: E402
+from trace_jax import fp4  # noqa: E402
 
 NOMINAL_BW = 4.8e12  # H200 HBM3e
 L2_BYTES = 50 * 2**20
@@ -67,6 +74,43 @@ GROUPED_CONFIGS = [dict(block_n=32), dict(block_n=128), dict(block_k=256), dict(
 # Every configuration is tried with both decodes.
 DENSE_CONFIGS = [dict(cfg, ptx_decode=ptx) for ptx in (False, True) for cfg in DENSE_CONFIGS]
 GROUPED_CONFIGS = [dict(cfg, ptx_decode=ptx) for ptx in (False, True) for cfg in GROUPED_CONFIGS]
+
+
+class Report:
+  """Every printed figure, as JSON: rewritten after each row so that a run cut short keeps what it measured."""
+
+  def __init__(self, path: str | None):
+    self.path = path
+    self.data: dict = {"complete": False}
+
+  def set(self, **fields):
+    self.data.update(fields)
+    self._write()
+
+  def add(self, table: str, row: dict):
+    self.data.setdefault(table, []).append(row)
+    self._write()
+
+  def _write(self):
+    if not self.path:
+      return
+    tmp = f"{self.path}.tmp"
+    with open(tmp, "w") as f:
+      json.dump(_jsonable(self.data), f, indent=1)
+    os.replace(tmp, self.path)
+
+
+def _jsonable(value):
+  """NaN and inf -> null (strict JSON), numpy scalars -> Python numbers, tuples -> lists."""
+  if isinstance(value, dict):
+    return {str(k): _jsonable(v) for k, v in value.items()}
+  if isinstance(value, list | tuple):
+    return [_jsonable(v) for v in value]
+  if isinstance(value, np.generic):
+    value = value.item()
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return value
 
 
 @dataclasses.dataclass
@@ -134,17 +178,20 @@ def _us(seconds: float) -> str:
   return "n/a" if math.isnan(seconds) else f"{seconds * 1e6:.1f}"
 
 
-def _sweep(name, kernel, xs, weights, setup: Setup, configs, fp4_bytes, bf16_t, check, *extra):
+def _sweep(name, kernel, xs, weights, setup: Setup, configs, fp4_bytes, bf16_t, check, *extra, report, shape):
   for cfg in configs:
     try:
       t = _time_op(functools.partial(kernel, **cfg), xs, weights, setup, *extra)
       err = check(functools.partial(kernel, **cfg))
       print(f"      {name} {cfg}: {t * 1e6:.1f} us, {fp4_bytes / t / 1e9:.0f} GB/s, {bf16_t / t:.2f}x, err {err:.1e}")
+      row = dict(us=t * 1e6, gbps=fp4_bytes / t / 1e9, speedup=bf16_t / t, err=err)
     except Exception as e:  # a configuration the backend refuses: say so and go on
       print(f"      {name} {cfg}: failed: {type(e).__name__}: {str(e)[:300]}")
+      row = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+    report.add("sweep", dict(kernel=name, **shape, config=cfg, **row))
 
 
-def bench_dense(setup: Setup, copy_bw: float, sweep: bool):
+def bench_dense(setup: Setup, copy_bw: float, sweep: bool, report: Report):
   shapes = [(1, 256), (8, 256)] if setup.smoke else [(m, k) for k in (4096, 8192) for m in (1, 8, 64)]
   header = ["M", "K=N", "bf16 us", "GB/s", "w4a16 us", "GB/s", "%copy", "ptx us", "GB/s", "w4a4 us", "speedup"]
   header += ["vs roof", "err", "ptx err"]
@@ -180,10 +227,20 @@ def bench_dense(setup: Setup, copy_bw: float, sweep: bool):
     row += [f"{100 * fp4_bytes / best / copy_bw:.0f}", _us(ptx_t), f"{fp4_bytes / ptx_t / 1e9:.0f}", _us(w4a4_t)]
     row += [f"{bf16_t / best:.2f}x", f"{bf16_bytes / copy_bw / best:.2f}x", f"{err:.1e}", f"{ptx_err:.1e}"]
     print(_fmt_row(row, widths))
+    report.add(
+      "dense",
+      dict(m=m, k=k, n=n, bf16_bytes=bf16_bytes, fp4_bytes=fp4_bytes, bf16_us=bf16_t * 1e6,
+           bf16_gbps=bf16_bytes / bf16_t / 1e9, w4a16_us=w4a16_t * 1e6, w4a16_gbps=fp4_bytes / w4a16_t / 1e9,
+           pct_copy=100 * fp4_bytes / best / copy_bw, ptx_us=ptx_t * 1e6, ptx_gbps=fp4_bytes / ptx_t / 1e9,
+           w4a4_us=w4a4_t * 1e6, speedup=bf16_t / best, vs_roof=bf16_bytes / copy_bw / best, err=err, ptx_err=ptx_err),
+    )  # fmt: skip
     if sweep and (k == shapes[0][1]):
-      print(f"      defaults {dense.default_tiles(m, n, k, wq.fmt, interpret=setup.interpret)}")
+      tiles = dense.default_tiles(m, n, k, wq.fmt, interpret=setup.interpret)
+      print(f"      defaults {tiles}")
+      report.add("sweep", dict(kernel="dense", m=m, k=k, n=n, config="defaults", tiles=str(tiles)))
       configs = [c for c in DENSE_CONFIGS if not (setup.interpret and c["ptx_decode"])]
-      _sweep("dense", kernel, xs, fp4_weights, setup, configs, fp4_bytes, bf16_t, check)
+      shape = dict(m=m, k=k, n=n)
+      _sweep("dense", kernel, xs, fp4_weights, setup, configs, fp4_bytes, bf16_t, check, report=report, shape=shape)
 
 
 def _route(tokens: int, num_experts: int, top_k: int, rng) -> np.ndarray:
@@ -192,7 +249,7 @@ def _route(tokens: int, num_experts: int, top_k: int, rng) -> np.ndarray:
   return np.bincount(experts.ravel(), minlength=num_experts).astype(np.int32)
 
 
-def bench_grouped(setup: Setup, copy_bw: float, sweep: bool):
+def bench_grouped(setup: Setup, copy_bw: float, sweep: bool, report: Report):
   if setup.smoke:
     num_experts, top_k, hidden, inter, token_counts = 8, 2, 256, 64, (8,)
   else:
@@ -239,9 +296,18 @@ def bench_grouped(setup: Setup, copy_bw: float, sweep: bool):
       row += [f"{fp4_bytes / fp4_t / 1e9:.0f}", f"{100 * fp4_bytes / best / copy_bw:.0f}", _us(ptx_t)]
       row += [f"{bf16_t / best:.2f}x", f"{bf16_bytes / copy_bw / best:.2f}x", f"{err:.1e}", f"{ptx_err:.1e}"]
       print(_fmt_row(row, widths))
+      report.add(
+        "grouped",
+        dict(layer=name, experts=num_experts, top_k=top_k, n=n, k=k, tokens=tokens, rows=rows, active_experts=active,
+             bf16_bytes=bf16_bytes, fp4_bytes=fp4_bytes, bf16_us=bf16_t * 1e6, bf16_gbps=bf16_bytes / bf16_t / 1e9,
+             fp4_us=fp4_t * 1e6, fp4_gbps=fp4_bytes / fp4_t / 1e9, pct_copy=100 * fp4_bytes / best / copy_bw,
+             ptx_us=ptx_t * 1e6, speedup=bf16_t / best, vs_roof=bf16_bytes / copy_bw / best, err=err, ptx_err=ptx_err),
+      )  # fmt: skip
       if sweep and tokens == token_counts[0]:
         configs = [c for c in GROUPED_CONFIGS if not (setup.interpret and c["ptx_decode"])]
-        _sweep(name, kernel, xs, fp4_weights, setup, configs, fp4_bytes, bf16_t, check, group_sizes)
+        shape = dict(layer=name, tokens=tokens, n=n, k=k)
+        _sweep(name, kernel, xs, fp4_weights, setup, configs, fp4_bytes, bf16_t, check, group_sizes, report=report,
+               shape=shape)  # fmt: skip
       del fp4_weights
     del w_bf16, wq
 
@@ -253,7 +319,9 @@ def main(argv=None):
   parser.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement")
   parser.add_argument("--calls", type=int, default=16, help="op calls per timed dispatch")
   parser.add_argument("--only", choices=["dense", "grouped"], help="run one table")
+  parser.add_argument("--json", metavar="PATH", help="write every figure here as JSON (rewritten after each row)")
   args = parser.parse_args(argv)
+  report = Report(args.json)
 
   backend = jax.default_backend()
   if not args.smoke and backend != "gpu":
@@ -265,14 +333,21 @@ def main(argv=None):
   else:
     setup = Setup(smoke=False, interpret=False, reps=args.reps, calls=args.calls)
   print(f"jax {jax.__version__}, device: {jax.devices()[0].device_kind} ({backend})")
+  report.set(
+    jax=jax.__version__, backend=backend, device=jax.devices()[0].device_kind, smoke=setup.smoke,
+    interpret=setup.interpret, reps=setup.reps, calls=setup.calls, goal_speedup=GOAL, nominal_bw_gbps=NOMINAL_BW / 1e9,
+    units="us: microseconds per op call (median); gbps: GB/s; err: max |kernel - reference| / max |reference|",
+  )  # fmt: skip
 
   copy_bw = measure_copy_bandwidth(setup)
   print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s measured; nominal {NOMINAL_BW / 1e9:.0f} GB/s")
+  report.set(copy_bw_gbps=copy_bw / 1e9)
   if args.only in (None, "dense"):
-    bench_dense(setup, copy_bw, args.sweep)
+    bench_dense(setup, copy_bw, args.sweep, report)
   if args.only in (None, "grouped"):
-    bench_grouped(setup, copy_bw, args.sweep)
+    bench_grouped(setup, copy_bw, args.sweep, report)
   print(f"\nGoal: fp4 / bf16 speedup >= {GOAL}x at M <= 16 (dense) and at decode-sized T (grouped).")
+  report.set(complete=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """Rollout throughput: trace_jax's engine (BF16 and FP4) against Hugging Face transformers `generate`.
 
   python experiments/bench_rollout.py [--threads N] [--batches 8,64] [--new_tokens 64] [--repeats 2]
-                                      [--hf_dtypes float32,bfloat16]
+                                      [--hf_dtypes float32,bfloat16] [--json PATH] [--smoke]
+
+--json writes every figure below as JSON; --smoke is a quick functional check (batch 2, 4 new
+tokens, 1 repeat, transformers float32 only, no untimed fp32 engine): its timings mean nothing.
 
 One process, one tiny-but-not-trivial Qwen3-MoE (hidden 256, 4 layers, 8 heads / 4 KV heads,
 head_dim 32, 16 experts top-2, moe_intermediate 128, vocab 1024), initialized by
@@ -32,17 +35,24 @@ run's process CPU seconds are shown: wall time includes waiting for a core, CPU 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import pathlib
 import platform
 import statistics
+import sys
 import tempfile
 import time
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 GOAL = 5.0  # ours / transformers at the largest batch
 PROMPT_LEN = 16
 
 
-def _args():
+def _args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch and XLA:CPU threads")
   p.add_argument("--batches", default="8,64", help="comma-separated batch sizes")
@@ -50,7 +60,54 @@ def _args():
   p.add_argument("--repeats", type=int, default=2, help="timed runs per system and batch, after the first")
   p.add_argument("--hf_dtypes", default="float32,bfloat16", help="transformers dtypes to time")
   p.add_argument("--seed", type=int, default=0)
-  return p.parse_args()
+  p.add_argument("--json", metavar="PATH", help="write every figure here as JSON")
+  p.add_argument("--smoke", action="store_true", help="batch 2, 4 new tokens, 1 repeat, transformers float32 only")
+  args = p.parse_args(argv)
+  if args.smoke:
+    args.batches, args.new_tokens, args.repeats, args.hf_dtypes = "2", 4, 1, "float32"
+  return args
+
+
+def _results(args, batches, names, hf_names, first, runs, best, greedy) -> dict:
+  """Every printed figure as one JSON-able dict; keys are "<system> @ <batch>" where a table row is."""
+  import jax
+  import torch
+  import transformers
+
+  finite = lambda v: v if math.isfinite(v) else None
+  median_wall = lambda name, b: statistics.median(w for w, _ in runs[name, b])
+  rows = []
+  for b in batches:
+    for name in names:
+      walls, cpus = [w for w, _ in runs[name, b]], [c for _, c in runs[name, b]]
+      wall, cpu = median_wall(name, b), statistics.median(cpus)
+      speed, best_speed = b * args.new_tokens / wall, b * args.new_tokens / median_wall(best[b], b)
+      rows.append(
+        dict(
+          system=name, batch=b, first_call_s=first[name, b], first_call_is_compile=name not in hf_names,
+          steady_s=wall, steady_runs_s=walls, new_tokens_per_s=finite(speed), cpu_s=cpu, cpu_runs_s=cpus,
+          new_tokens_per_cpu_s=finite(b * args.new_tokens / cpu) if cpu > 0 else None,
+          vs_fastest_transformers=finite(speed / best_speed), fastest_transformers=best[b],
+        )
+      )  # fmt: skip
+  largest = max(batches)
+  goal = {name: next(r["vs_fastest_transformers"] for r in rows if r["system"] == name and r["batch"] == largest)
+          for name in ("ours bf16", "ours fp4")}  # fmt: skip
+  return dict(
+    smoke=args.smoke, new_tokens=args.new_tokens, prompt_len=PROMPT_LEN, batches=batches, repeats=args.repeats,
+    threads=args.threads, hf_dtypes=hf_names, seed=args.seed, host=platform.machine(), cores=os.cpu_count(),
+    load_average=os.getloadavg()[0], xla_flags=os.environ.get("XLA_FLAGS", ""), jax=jax.__version__,
+    backend=jax.default_backend(), device=jax.devices()[0].device_kind, torch=torch.__version__,
+    transformers=transformers.__version__, rows=rows, goal=GOAL, largest_batch=largest,
+    ratio_at_largest_batch=goal, meets_goal={n: r is not None and r >= GOAL for n, r in goal.items()},
+    greedy_agreement=greedy,
+  )  # fmt: skip
+
+
+def _write_json(path: str, result: dict):
+  with open(path, "w") as f:
+    json.dump(result, f, indent=1)
+  print(f"figures written to {path}")
 
 
 def _set_xla_threads(threads: int):
@@ -59,8 +116,8 @@ def _set_xla_threads(threads: int):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
 
 
-def main():
-  args = _args()
+def main(argv=None):
+  args = _args(argv)
   _set_xla_threads(args.threads)
   # Imported here so that XLA_FLAGS above takes effect.
   import jax
@@ -193,8 +250,9 @@ def main():
   b = batches[0]
   compared = {"ours bf16": outputs["ours bf16", b]}
   reference = "transformers float32" if "transformers float32" in hf_names else hf_names[0]
-  if reference == "transformers float32":
+  if reference == "transformers float32" and not args.smoke:  # --smoke: one compile less
     compared["ours fp32 (untimed)"] = ours(params, None, "float32")(prompts[b])
+  greedy = []
   for name, tokens in compared.items():
     theirs_tokens = outputs[reference, b]
     differ = tokens != theirs_tokens
@@ -203,6 +261,12 @@ def main():
       f"greedy tokens, {name} vs {reference}, batch {b}: {np.mean(~differ):.1%} equal, "
       f"{np.mean(diverge == tokens.shape[1]):.0%} of rows identical, mean first divergence at token {diverge.mean():.1f}"
     )
+    greedy.append(
+      dict(system=name, reference=reference, batch=b, tokens_equal=float(np.mean(~differ)),
+           rows_identical=float(np.mean(diverge == tokens.shape[1])), mean_first_divergence=float(diverge.mean()))
+    )  # fmt: skip
+  if args.json:
+    _write_json(args.json, _results(args, batches, list(systems), hf_names, first, runs, best, greedy))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Pallas FP4 kernels against their jnp references: in interpret mode on CPU, compiled through
 Triton when the backend is a GPU (INTERPRET), where the inline-PTX decode is checked as well.
+TRACE_PALLAS_INTERPRET=0 / 1 forces compiled / interpret mode (compiled needs a GPU backend;
+experiments/gpu_check.py sets 0 so that a GPU run cannot fall back to the interpreter unnoticed).
 
 Every kernel configuration is compiled once (group sizes are traced, so one compiled grouped
 kernel serves several groupings). The CUDA lowering test runs the Pallas -> Triton lowering on
@@ -8,6 +10,7 @@ without a GPU.
 """
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +25,14 @@ from pallas_kernels import grouped_fp4_matmul as grouped
 from trace_jax import fp4
 
 # The kernels are written for the Triton lowering; elsewhere the Pallas interpreter runs them.
-INTERPRET = jax.default_backend() != "gpu"
+_FORCED = os.environ.get("TRACE_PALLAS_INTERPRET", "").strip().lower()
+if _FORCED not in ("", "0", "1", "false", "true"):
+  raise ValueError(f"TRACE_PALLAS_INTERPRET={_FORCED!r}: use 0 (compiled) or 1 (interpret), or leave it unset")
+INTERPRET = jax.default_backend() != "gpu" if not _FORCED else _FORCED in ("1", "true")
+if not INTERPRET and jax.default_backend() != "gpu":
+  raise RuntimeError(
+    f"TRACE_PALLAS_INTERPRET={_FORCED}: compiled Pallas kernels need a GPU (backend: {jax.default_backend()})"
+  )
 
 # (format, tensor scale): NVFP4 single- and two-level, MXFP4.
 WEIGHT_FORMATS = [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)]

@@ -1,0 +1,145 @@
+"""The GPU check (experiments/gpu_check.py) on its CPU path, and the pieces it relies on: stage time
+limits, failures recorded rather than raised, installs that never touch jax, the benchmarks' JSON."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from experiments import bench_fp4_matmul, gpu_check
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_writes_every_stage(tmp_path):
+  out = tmp_path / "check" / "gpu_check.json"
+  cmd = [sys.executable, "experiments/gpu_check.py", "--smoke", "--out", str(out)]
+  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+  assert out.exists(), proc.stdout + proc.stderr
+  report = json.loads(out.read_text())  # strict JSON: no NaN
+  stages = report["stages"]
+  assert list(stages) == list(gpu_check.STAGES), proc.stdout
+  assert report["summary"] == {name: stage["status"] for name, stage in stages.items()}
+  for name, stage in stages.items():
+    assert stage["status"] in ("ok", "skipped"), (name, stage.get("stderr_tail"), stage.get("stdout_tail"))
+    assert stage["seconds"] >= 0
+  assert proc.returncode == 0, proc.stdout
+  assert report["smoke"] and report["env"]["backend"] == "cpu" and report["env"]["jax"]
+  assert stages["install"]["status"] == "skipped"
+
+  tests = stages["kernel_tests"]["figures"]
+  assert tests["interpret"] and tests["passed"] >= 3 and tests["failures"] == tests["errors"] == 0
+
+  fp4 = stages["fp4_matmul"]["figures"]
+  assert fp4["complete"] and fp4["smoke"] and fp4["copy_bw_gbps"] > 0
+  for row in fp4["dense"] + fp4["grouped"]:
+    assert row["err"] < 1e-2 and row["speedup"] > 0 and row["ptx_us"] is None  # no PTX in interpret mode
+
+  rollout = stages["rollout"]["figures"]
+  assert rollout["smoke"] and rollout["batches"] == [2] and rollout["new_tokens"] == 4
+  systems = {row["system"]: row for row in rollout["rows"]}
+  assert set(systems) == {"ours bf16", "ours fp4", "transformers float32"}
+  for row in systems.values():
+    assert row["new_tokens_per_s"] > 0 and row["steady_s"] > 0 and row["first_call_s"] > 0
+  assert set(rollout["ratio_at_largest_batch"]) == {"ours bf16", "ours fp4"}
+  assert rollout["greedy_agreement"][0]["system"] == "ours bf16"
+
+  grpo = stages["grpo_step"]
+  if os.path.exists(os.path.join(REPO, "experiments", "bench_grpo_step.py")):
+    assert grpo["status"] == "ok" and grpo["figures"], grpo.get("stderr_tail")
+  else:
+    assert grpo["status"] == "skipped" and "not present" in grpo["reason"]
+  logs = out.parent / "gpu_check_logs"
+  assert (logs / "kernel_tests.xml").exists() and (logs / "rollout.log").exists()
+
+
+def test_a_stage_past_its_limit_is_killed_and_recorded(tmp_path):
+  # The child and its own child (the process group) are killed at the limit.
+  code = "import subprocess, sys, time; print('started', flush=True); subprocess.Popen(['sleep', '60']); time.sleep(60)"
+  cmd = [sys.executable, "-c", code]
+  result = gpu_check._run(cmd, limit_s=2, log=tmp_path / "x.log")
+  assert result["timed_out"] and result["seconds"] < 30
+  stage = gpu_check._stage_record(cmd, result, 2, ok=True)
+  assert stage["status"] == "timeout" and "started" in stage["stdout_tail"]
+
+  cmd = [sys.executable, "-c", "import sys; sys.exit('it broke')"]
+  stage = gpu_check._stage_record(cmd, gpu_check._run(cmd, limit_s=30, log=None), 30, ok=False)
+  assert stage["status"] == "failed" and stage["returncode"] == 1 and "it broke" in stage["stderr_tail"]
+
+
+def test_a_missing_benchmark_is_skipped(tmp_path):
+  stage = gpu_check._bench_stage("nope", "experiments/no_such_bench.py", [], 10, tmp_path)
+  assert stage["status"] == "skipped" and "not present" in stage["reason"]
+
+
+def test_install_never_installs_jax_and_pins_what_is_installed(tmp_path, monkeypatch):
+  installed = gpu_check._installed()
+  assert "jax" in installed
+  missing = {"tqdm", "torch", "ruff", "jax", "jaxlib"}
+  monkeypatch.setattr(gpu_check, "_installed", lambda: {k: v for k, v in installed.items() if k not in missing})
+  calls = []
+
+  def fake_pip(args, constraints, limit_s, log):
+    with open(constraints) as f:
+      calls.append((args, dict(line.strip().split("==") for line in f)))
+    return dict(returncode=0, timed_out=False, seconds=0.0, stdout="", stderr="")
+
+  monkeypatch.setattr(gpu_check, "_pip", fake_pip)
+  # A GPU jax: no CUDA plugin; ruff (dev tool), jax and jaxlib are left out; torch from the CPU index.
+  stage = gpu_check.stage_install(60, tmp_path, {"nvidia_smi": {"query": "H200"}, "probe": {"backend": "gpu"}})
+  assert stage["status"] == "ok" and stage["figures"]["cuda_plugin"] == []
+  packages = [arg for args, _ in calls for arg in args]
+  assert any(p.startswith("tqdm==") for p in packages) and any(p.startswith("torch==") for p in packages)
+  assert not any(p.startswith(("jax", "ruff")) for p in packages)
+  assert gpu_check.TORCH_CPU_INDEX in packages
+  for _, pins in calls:
+    assert pins["numpy"] == installed["numpy"] and "tqdm" not in pins
+
+  # A GPU seen by nvidia-smi but a CPU-only jax: the CUDA plugin at the installed jax version.
+  monkeypatch.setattr(gpu_check, "_installed", lambda: {k: v for k, v in installed.items() if k != "tqdm"})
+  calls.clear()
+  stage = gpu_check.stage_install(60, tmp_path, {"nvidia_smi": {"query": "H200"}, "probe": {"backend": "cpu"}})
+  assert calls[0][0] == [f"jax[cuda12]=={installed['jax']}"] and "jax" not in calls[0][1]
+  # Without a GPU nothing CUDA is installed, and nothing at all when nothing is missing.
+  monkeypatch.setattr(gpu_check, "_installed", lambda: installed)
+  calls.clear()
+  stage = gpu_check.stage_install(60, tmp_path, {"nvidia_smi": None, "probe": {"backend": "cpu"}})
+  assert stage["status"] == "ok" and calls == []
+
+
+def test_junit_figures(tmp_path):
+  xml = tmp_path / "junit.xml"
+  xml.write_text(
+    '<testsuites><testsuite tests="4" failures="1" errors="0" skipped="1">'
+    '<testcase classname="t" name="a" time="0.5"/><testcase classname="t" name="b" time="2">'
+    '<failure message="assert 1 == 2">...</failure></testcase>'
+    '<testcase classname="t" name="c" time="0"><skipped/></testcase><testcase classname="t" name="d" time="1"/>'
+    "</testsuite></testsuites>"
+  )
+  figures = gpu_check._junit_figures(xml)
+  assert (figures["tests"], figures["passed"], figures["failures"], figures["skipped"]) == (4, 2, 1, 1)
+  assert figures["failed_tests"] == [dict(test="t::b", kind="failure", message="assert 1 == 2")]
+  assert figures["slowest"][0] == dict(test="t::b", seconds=2.0)
+  assert "error" in gpu_check._junit_figures(tmp_path / "missing.xml")
+  # A run cut off at its limit writes no xml: the -v lines are counted instead.
+  stdout = "tests/t.py::test_a[1-x y] PASSED   [ 10%]\ntests/t.py::test_b FAILED [ 20%]\ntests/t.py::test_c PASSED\n"
+  assert gpu_check._pytest_outcomes(stdout) == {"passed": 2, "failed": 1}
+
+
+def test_fp4_report_is_strict_json_and_rewritten_per_row(tmp_path):
+  path = tmp_path / "fp4.json"
+  report = bench_fp4_matmul.Report(str(path))
+  report.set(copy_bw_gbps=np.float32(2.5))
+  report.add("dense", dict(m=1, ptx_us=float("nan"), speedup=np.float64(3.0), config=(1, 2)))
+  assert json.loads(path.read_text()) == {
+    "complete": False,
+    "copy_bw_gbps": 2.5,
+    "dense": [dict(m=1, ptx_us=None, speedup=3.0, config=[1, 2])],
+  }
+  report.add("dense", dict(m=8, speedup=math.inf))
+  assert json.loads(path.read_text())["dense"][1] == dict(m=8, speedup=None)
