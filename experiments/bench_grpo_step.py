@@ -31,8 +31,10 @@ What is timed, per step (wall clock; the median over `--steps` steps after the f
                 defaults hold otherwise: TIS cap 5, routing replay (R3), `trace.diagnostics` (full
                 FP4 codes recorded in every layer, for the agreement metrics), the trainer in bf16.
                 Split from the step's metrics: `time/rollout_s` (weight sync + generate),
-                `time/train_s` (the update), and "other" = step - both (reference log-probs,
-                rewards, advantages, the batch transfer, the metrics).
+                `time/train_s` (the update, and the reference log-probs too: RLStep.learn
+                dispatches that forward asynchronously just before its timer starts, and the
+                update waits for it), and "other" = step - both (host work: rewards, advantages,
+                the batch transfer, the metrics).
   Tunix         `GrpoLearner.train`'s per-global-step loop (timestamps at the start of each
                 `_run_global_step` and when the loop ends): `rl_cluster.generate` with the `vanilla`
                 engine (Tunix's Sampler: prefill + while-loop decode with its KV cache, then the
