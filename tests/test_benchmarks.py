@@ -39,7 +39,7 @@ def test_grpo_step_benchmark_smoke_writes_every_figure(tmp_path):
     assert len(r["steps_s"]) == 2
     assert r["compiles_after_first"] == [0, 0], r["compiled_after_first"]  # nothing recompiles between steps
     assert r["last_finite"] and r["last_response_length"] == 8  # EOS off: every response is max_new_tokens long
-  assert fig["ratios"] == {} and fig["meets"] == {}
+  assert fig["ratios"] == fig["ratios_cpu_s"] == fig["meets"] == {}
 
 
 def _figures(step_s, train=True):
@@ -64,17 +64,19 @@ def test_report_prints_the_table_ratios_and_goals(capsys):
   assert ours["bf16"]["train_s"] == 0.25 and ours["bf16"]["other_s"] == pytest.approx(0.25)
   assert tunix["other_s"] == pytest.approx(1.25) and "train_s" not in tunix
   args = bench_grpo_step._args(["--steps", "3", "--warmup", "1"])
-  ratios, goals = bench_grpo_step.report(args, ours, tunix, "google-tunix 0.1.7")
+  ratios, ratios_cpu, goals = bench_grpo_step.report(args, ours, tunix, "google-tunix 0.1.7")
   assert ratios == pytest.approx({"bf16/tunix": 0.4, "qat/tunix": 0.8, "trace/tunix": 0.88, "trace/qat": 1.1})
+  assert ratios_cpu == pytest.approx(ratios)  # made-up rows: CPU seconds = wall seconds
   assert goals == {"bf16/tunix": True, "trace/qat": True}
   out = capsys.readouterr().out
   assert "| ours trace | 10.00 | 2.200 | 2.100 |" in out and "| tunix (float32) | 10.00 | 2.500 |" in out
-  assert "ours bf16 / Tunix step: 0.400 (meets the <= 0.5 goal)" in out
-  assert "TRACE / QAT step: 1.100 (meets the <= 1.1 goal)" in out
+  assert "ours bf16 / Tunix step: 0.400 (meets the <= 0.5 goal); CPU seconds per step: 0.400" in out
+  assert "ours trace / Tunix step: 0.880; CPU seconds per step: 0.880" in out
+  assert "TRACE / QAT step: 1.100 (meets the <= 1.1 goal); CPU seconds per step: 1.100" in out
   assert "recompiles after the first call: none" in out
 
-  ratios, goals = bench_grpo_step.report(args, {"trace": ours["trace"]}, None, "skipped (--tunix=skip)")
-  assert ratios == {} and goals == {}
+  ratios, ratios_cpu, goals = bench_grpo_step.report(args, {"trace": ours["trace"]}, None, "skipped (--tunix=skip)")
+  assert ratios == ratios_cpu == goals == {}
   assert "ours bf16 / Tunix step: not measured (Tunix skipped (--tunix=skip))" in capsys.readouterr().out
 
 
