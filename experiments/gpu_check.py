@@ -373,7 +373,8 @@ def stage_rollout(limit_s, logs, smoke):
 
 
 def stage_grpo_step(limit_s, logs, smoke):
-  args = ["--smoke", "--tunix", "skip"] if smoke else ["--modes", "bf16,qat,trace", "--tunix", "auto"]
+  # smoke: bf16 only (the quickest compile); tests/test_bench_grpo_step.py smoke-runs trace
+  args = ["--smoke", "--tunix", "skip", "--modes", "bf16"] if smoke else ["--modes", "bf16,qat,trace", "--tunix", "auto"]
   return _bench_stage("grpo_step", "experiments/bench_grpo_step.py", args, limit_s, logs)
 
 
