@@ -186,6 +186,24 @@ def test_neighbors_bracket_the_value():
   assert np.all((lo == hi) == on_grid) and on_grid.sum() >= len(GRID)
 
 
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("fmt,two_level", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)])
+def test_quantize_with_values_is_quantize_then_dequantize(fmt, two_level, dtype):
+  """The engine's online quantization takes values from the unpacked codes: the same bits."""
+  for name, x in cases(fmt).items():
+    if two_level and name in ("special", "inf"):
+      continue
+    xj = jnp.asarray(x, DTYPES[dtype][0])
+    amax = jnp.max(jnp.abs(xj.astype(jnp.float32))) if two_level else None
+    q, values = jax.jit(lambda a, m: fp4.quantize_with_values(a, fmt, tensor_amax=m, dtype=a.dtype))(xj, amax)
+    ref = fp4.quantize(xj, fmt, tensor_amax=amax)
+    np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(ref.codes), err_msg=name)
+    np.testing.assert_array_equal(u8(q.scales), u8(ref.scales), err_msg=name)
+    got = np.asarray(values.astype(jnp.float32))
+    want = np.asarray(fp4.dequantize(ref, xj.dtype).astype(jnp.float32))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=name)
+
+
 # --- NVFP4 / MXFP4 parity with torchao ---------------------------------------------------------
 
 

@@ -345,6 +345,22 @@ def quantize(x: jax.Array, fmt: str | Fp4Format = "nvfp4", *, tensor_amax: jax.A
   return QuantizedArray(pack_nibbles(codes.reshape(x.shape)), scales, tensor_scale, fmt)
 
 
+def quantize_with_values(
+  x: jax.Array, fmt: str | Fp4Format = "nvfp4", *, tensor_amax: jax.Array | None = None, dtype=jnp.float32
+) -> tuple[QuantizedArray, jax.Array]:
+  """`quantize(x)` and its values `dequantize(quantize(x), dtype)`, the values taken from the codes
+  before they are packed (no pack / unpack round trip; bit-identical: tests/test_fp4.py)."""
+  fmt = get_format(fmt)
+  check_blocks(x.shape, fmt, "quantize")
+  tensor_scale = None if tensor_amax is None else tensor_scale_from_amax(tensor_amax)
+  blocks = to_blocks(x.astype(jnp.float32), fmt)
+  scales, reciprocal = compute_scales(blocks, fmt, tensor_scale)
+  codes = float_to_e2m1(scale_blocks(blocks, reciprocal, fmt))
+  values = e2m1_to_float(codes) * dequant_scales(scales, tensor_scale)[..., None]
+  q = QuantizedArray(pack_nibbles(codes.reshape(x.shape)), scales, tensor_scale, fmt)
+  return q, values.reshape(x.shape).astype(dtype)
+
+
 def dequantize(q: QuantizedArray, dtype=jnp.float32) -> jax.Array:
   """Values of a QuantizedArray, in `dtype` (computed in float32)."""
   values = to_blocks(e2m1_to_float(unpack_nibbles(q.codes)), q.fmt)

@@ -218,14 +218,16 @@ def _write(buffer, value, start):
   )
 
 
-def _quantize_online(x: jax.Array, quant: QuantConfig) -> fp4.QuantizedArray:
+def _quantize_online(x: jax.Array, quant: QuantConfig, values_dtype=None):
   """RTN of an activation or K/V as engines quantize online. Two-level NVFP4: the tensor scale is
   the amax of this call's batch (the prefill, or one decode step), kept once per row, so that
-  rows quantized in different calls (the KV cache's slots, the recorded guidance) keep theirs."""
-  if not quant.two_level:
-    return fp4.quantize(x, quant.fmt)
-  q = fp4.quantize(x, quant.fmt, tensor_amax=jnp.max(jnp.abs(x)).astype(jnp.float32))
-  return dataclasses.replace(q, tensor_scale=jnp.broadcast_to(q.tensor_scale, q.scales.shape[:-1]))
+  rows quantized in different calls (the KV cache's slots, the recorded guidance) keep theirs.
+  values_dtype given: returns (QuantizedArray, its values in that dtype)."""
+  amax = jnp.max(jnp.abs(x)).astype(jnp.float32) if quant.two_level else None
+  q, values = fp4.quantize_with_values(x, quant.fmt, tensor_amax=amax, dtype=values_dtype or jnp.float32)
+  if quant.two_level:
+    q = dataclasses.replace(q, tensor_scale=jnp.broadcast_to(q.tensor_scale, q.scales.shape[:-1]))
+  return q if values_dtype is None else (q, values)
 
 
 def _store(x: jax.Array, quant: QuantConfig | None):
@@ -309,8 +311,8 @@ def _act(x, quant: QuantConfig | None, target: str):
   """Online RTN activation quantization: (values in x's dtype, QuantizedArray or None)."""
   if quant is None or not quant.quantizes(target) or not quant.activations:
     return x, None
-  q = _quantize_online(x, quant)
-  return fp4.dequantize(q, x.dtype), q
+  q, values = _quantize_online(x, quant, x.dtype)
+  return values, q
 
 
 def _attention(p, x, cache: KVCache, start, positions, slot_mask, st: EngineSettings):
