@@ -212,10 +212,22 @@ def init_cache(
 
 
 def _write(buffer, value, start):
-  """Write `value` [B, S, ...] into `buffer` [B, T, ...] at slot `start` (leaves of a pytree)."""
-  return jax.tree_util.tree_map(
-    lambda b, v: jax.lax.dynamic_update_slice_in_dim(b, v.astype(b.dtype), start, axis=1), buffer, value
-  )
+  """Write `value` [B, S, ...] into `buffer` [B, T, ...] at slot `start` (leaves of a pytree).
+
+  One-byte floats (FP8 block scales) are written as their bits: XLA:CPU would run the update through
+  fp32 and copy the whole buffer at every step.
+  """
+
+  def write(b, v):
+    v = v.astype(b.dtype)
+    if b.dtype.itemsize == 1 and jnp.issubdtype(b.dtype, jnp.floating):
+      bits = jax.lax.dynamic_update_slice_in_dim(
+        jax.lax.bitcast_convert_type(b, jnp.uint8), jax.lax.bitcast_convert_type(v, jnp.uint8), start, axis=1
+      )
+      return jax.lax.bitcast_convert_type(bits, b.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(b, v, start, axis=1)
+
+  return jax.tree_util.tree_map(write, buffer, value)
 
 
 def _quantize_online(x: jax.Array, quant: QuantConfig, values_dtype=None):
