@@ -186,8 +186,9 @@ def test_neighbors_bracket_the_value():
   assert np.all((lo == hi) == on_grid) and on_grid.sum() >= len(GRID)
 
 
-@pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("fmt,two_level", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)])
+@pytest.mark.parametrize(
+  "fmt,two_level,dtype", [("nvfp4", False, "bfloat16"), ("nvfp4", True, "float32"), ("mxfp4", False, "bfloat16")]
+)
 def test_quantize_with_values_is_quantize_then_dequantize(fmt, two_level, dtype):
   """The engine's online quantization takes values from the unpacked codes: the same bits."""
   for name, x in cases(fmt).items():
@@ -195,7 +196,7 @@ def test_quantize_with_values_is_quantize_then_dequantize(fmt, two_level, dtype)
       continue
     xj = jnp.asarray(x, DTYPES[dtype][0])
     amax = jnp.max(jnp.abs(xj.astype(jnp.float32))) if two_level else None
-    q, values = jax.jit(lambda a, m: fp4.quantize_with_values(a, fmt, tensor_amax=m, dtype=a.dtype))(xj, amax)
+    q, values = fp4.quantize_with_values(xj, fmt, tensor_amax=amax, dtype=xj.dtype)
     ref = fp4.quantize(xj, fmt, tensor_amax=amax)
     np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(ref.codes), err_msg=name)
     np.testing.assert_array_equal(u8(q.scales), u8(ref.scales), err_msg=name)

@@ -363,3 +363,43 @@ def test_aux_loss_matches_transformers(params, batch):
     attention_mask = None if bool(m.all()) else torch.tensor(np.asarray(m))
     want = load_balancing_loss_func(gate_logits, TINY.num_experts, TINY.num_experts_per_tok, attention_mask)
     np.testing.assert_allclose(aux.aux_loss, want.item(), rtol=1e-6)
+
+
+# --- grouped_dot: the CPU dispatches against lax.ragged_dot ----------------------------------
+
+
+@pytest.mark.parametrize(
+  "sizes",
+  [
+    [8] * 16,  # balanced: the smallest capacity bucket
+    [0, 0, 40, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 0, 0, 0],  # one large group: the middle bucket
+    [128] + [0] * 15,  # every row in one group: the last bucket
+    [3, 0, 5, 1] + [0] * 12,  # rows past sum(group_sizes) give zeros
+  ],
+)
+@pytest.mark.parametrize("impl", ["tiled", "capacity"])
+def test_grouped_dot_matches_ragged_dot(impl, sizes):
+  rows, k, n = 128, 64, 32
+  x = jax.random.normal(jax.random.key(0), (rows, k))
+  w = jax.random.normal(jax.random.key(1), (16, k, n))
+  gs = jnp.asarray(sizes, jnp.int32)
+  ref = np.asarray(jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32))
+  f = jax.jit(lambda x, w, gs, t: moe.grouped_dot(x, jnp.swapaxes(w, 1, 2) if t else w, gs, transpose_w=t, impl=impl),
+              static_argnums=3)  # fmt: skip
+  for transpose_w in (False, True):
+    got = np.asarray(f(x, w, gs, transpose_w))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    assert np.all(got[int(sum(sizes)) :] == 0)
+  if impl == "tiled":  # the trainer's: its gradients are ragged_dot's
+    loss = lambda impl_: lambda x, w: jnp.sum(jnp.sin(moe.grouped_dot(x, w, gs, impl=impl_)))
+    got = jax.jit(jax.grad(loss("tiled"), argnums=(0, 1)))(x, w)
+    want = jax.grad(loss("ragged"), argnums=(0, 1))(x, w)
+    for a, b in zip(got, want):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_dot_picks_by_backend_and_refuses_unknown_impls():
+  assert moe.grouped_dot_impl("auto") == ("tiled" if jax.default_backend() == "cpu" else "ragged")
+  assert moe.grouped_dot_impl("auto", inference=True) == ("capacity" if jax.default_backend() == "cpu" else "ragged")
+  with pytest.raises(ValueError, match="impl must be one of"):
+    moe.grouped_dot_impl("megablox")

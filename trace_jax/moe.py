@@ -143,15 +143,15 @@ def _row_groups(group_sizes, rows: int):
 
 def _capacity_grouped_dot(x, w, group_sizes, transpose_w: bool):
   """`lax.ragged_dot` as one batched matmul [G, C, K] x [G, K, N] with no weight gather, the
-  capacity C picked at run time (`lax.switch`) from static buckets: the mean group size rounded up
-  to a power of two, doubled up to the row count, so no row is ever dropped. Each bucket is a
-  compiled branch; meant for inference (decode), where G * C stays near the row count."""
+  capacity C picked at run time (`lax.switch`) from three static buckets: twice the mean group size
+  (rounded up to a power of two), four times it, and the row count, so no row is ever dropped.
+  Each bucket is a compiled branch (more buckets fit tighter and compile longer); meant for
+  inference (decode), where G * C stays within a few times the row count."""
   r, g = x.shape[0], w.shape[0]
   group_sizes = group_sizes.astype(jnp.int32)
   row_group, rank = _row_groups(group_sizes, r)
-  buckets = [1 << max(-(-r // g) - 1, 0).bit_length()]
-  while buckets[-1] < r:
-    buckets.append(min(2 * buckets[-1], r))
+  twice_mean = 1 << max(2 * -(-r // g) - 1, 0).bit_length()  # a power of two >= 2 * the mean group
+  buckets = sorted({min(twice_mean, r), min(2 * twice_mean, r), r})
   spec = "gck,gnk->gcn" if transpose_w else "gck,gkn->gcn"
 
   def branch(c):
