@@ -330,6 +330,15 @@ def scale_blocks(blocks: jax.Array, reciprocal: jax.Array, fmt: Fp4Format) -> ja
   return (blocks * half[..., None]) * r[..., None]
 
 
+def _rtn_codes(x: jax.Array, fmt: Fp4Format, tensor_amax: jax.Array | None):
+  """(E2M1 codes in blocks [..., blocks, block], block scales, tensor scale) of RTN on `x`."""
+  check_blocks(x.shape, fmt, "quantize")
+  tensor_scale = None if tensor_amax is None else tensor_scale_from_amax(tensor_amax)
+  blocks = to_blocks(x.astype(jnp.float32), fmt)
+  scales, reciprocal = compute_scales(blocks, fmt, tensor_scale)
+  return float_to_e2m1(scale_blocks(blocks, reciprocal, fmt)), scales, tensor_scale
+
+
 def quantize(x: jax.Array, fmt: str | Fp4Format = "nvfp4", *, tensor_amax: jax.Array | None = None) -> QuantizedArray:
   """Round-to-nearest block quantization of `x` (bf16 or fp32) along its last axis.
 
@@ -337,11 +346,7 @@ def quantize(x: jax.Array, fmt: str | Fp4Format = "nvfp4", *, tensor_amax: jax.A
   `tensor_amax / (448 * 6)`: a scalar (torchao's per_tensor_scale), or one per row [...].
   """
   fmt = get_format(fmt)
-  check_blocks(x.shape, fmt, "quantize")
-  tensor_scale = None if tensor_amax is None else tensor_scale_from_amax(tensor_amax)
-  blocks = to_blocks(x.astype(jnp.float32), fmt)
-  scales, reciprocal = compute_scales(blocks, fmt, tensor_scale)
-  codes = float_to_e2m1(scale_blocks(blocks, reciprocal, fmt))
+  codes, scales, tensor_scale = _rtn_codes(x, fmt, tensor_amax)
   return QuantizedArray(pack_nibbles(codes.reshape(x.shape)), scales, tensor_scale, fmt)
 
 
@@ -351,11 +356,7 @@ def quantize_with_values(
   """`quantize(x)` and its values `dequantize(quantize(x), dtype)`, the values taken from the codes
   before they are packed (no pack / unpack round trip; bit-identical: tests/test_fp4.py)."""
   fmt = get_format(fmt)
-  check_blocks(x.shape, fmt, "quantize")
-  tensor_scale = None if tensor_amax is None else tensor_scale_from_amax(tensor_amax)
-  blocks = to_blocks(x.astype(jnp.float32), fmt)
-  scales, reciprocal = compute_scales(blocks, fmt, tensor_scale)
-  codes = float_to_e2m1(scale_blocks(blocks, reciprocal, fmt))
+  codes, scales, tensor_scale = _rtn_codes(x, fmt, tensor_amax)
   values = e2m1_to_float(codes) * dequant_scales(scales, tensor_scale)[..., None]
   q = QuantizedArray(pack_nibbles(codes.reshape(x.shape)), scales, tensor_scale, fmt)
   return q, values.reshape(x.shape).astype(dtype)
