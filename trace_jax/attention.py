@@ -12,15 +12,20 @@ import jax.numpy as jnp
 NEG_INF = -1e30  # finite, so fully masked rows (left padding) give a uniform softmax, not NaN
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, compute_dtype=jnp.float32) -> jax.Array:
-  """RMSNorm computed in `compute_dtype` (trainers: fp32), returned in x's dtype."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, compute_dtype=jnp.float32, offset: float = 0.0) -> jax.Array:
+  """RMSNorm computed in `compute_dtype` (trainers: fp32), returned in x's dtype.
+
+  offset: added to the weight (1 for Qwen3.5's zero-centred norms, `(1 + w) * x`; ModelConfig.norm_offset).
+  """
   h = x.astype(compute_dtype)
   h = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + eps)
-  return (weight.astype(compute_dtype) * h).astype(x.dtype)
+  w = weight.astype(compute_dtype)
+  return ((w + offset if offset else w) * h).astype(x.dtype)
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype=jnp.float32):
-  """cos/sin tables [..., head_dim] for integer positions (HF's rotate-half layout)."""
+  """cos/sin tables [..., head_dim] for integer positions (HF's rotate-half layout); partial RoPE
+  passes its rotary_dim as head_dim."""
   inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
   angles = positions.astype(jnp.float32)[..., None] * inv_freq
   angles = jnp.concatenate([angles, angles], axis=-1)
@@ -28,12 +33,16 @@ def rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype=jnp.flo
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """x [B, S, heads, head_dim]; cos/sin [B, S, head_dim]. Computed in the tables' dtype."""
-  dtype = x.dtype
-  x = x.astype(cos.dtype)
-  half = x.shape[-1] // 2
+  """x [B, S, heads, head_dim]; cos/sin [B, S, rotary_dim]. Computed in the tables' dtype.
+
+  rotary_dim < head_dim (partial RoPE, Qwen3.5): the first rotary_dim dims rotate, the rest pass.
+  """
+  dtype, rot = x.dtype, cos.shape[-1]
+  x, rest = x[..., :rot].astype(cos.dtype), x[..., rot:]
+  half = rot // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  return (x * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(dtype)
+  out = (x * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(dtype)
+  return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:

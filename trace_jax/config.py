@@ -40,9 +40,16 @@ def _fail(field: str, message: str):
   raise ConfigError(f"config.{field}: {message}")
 
 
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """A Qwen3-MoE-family decoder (also covers Qwen2-MoE shared experts and Mixtral)."""
+  """A Qwen3-MoE-family decoder (also covers Qwen2-MoE shared experts and Mixtral), or the Qwen3.5-MoE
+  hybrid: Gated DeltaNet layers (`layer_types`: 'linear_attention') between gated full-attention
+  layers, zero-centred RMSNorm, partial RoPE and a gated shared expert (configs/models.py presets).
+  """
 
   vocab_size: int
   hidden_size: int
@@ -65,6 +72,18 @@ class ModelConfig:
   router_aux_loss_coef: float = 0.001
   max_position_embeddings: int = 32768
   initializer_range: float = 0.02
+  # Qwen3.5-MoE. layer_types: one entry per layer, 'full_attention' or 'linear_attention' (Gated
+  # DeltaNet); () = every layer full attention.
+  layer_types: tuple[str, ...] = ()
+  attention_output_gate: bool = False  # q_proj also emits a per-head gate: attn * sigmoid(gate)
+  partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims of each head
+  zero_centered_norm: bool = False  # RMSNorm weights w apply as (1 + w), initialised at 0
+  linear_num_key_heads: int = 0  # Gated DeltaNet: query/key heads (shared by groups of value heads)
+  linear_num_value_heads: int = 0
+  linear_key_head_dim: int = 0
+  linear_value_head_dim: int = 0
+  linear_conv_kernel_dim: int = 4  # the depthwise causal conv over q/k/v
+  linear_chunk_size: int = 64  # the chunk of the trainer's (and prefill's) chunked gated delta rule
 
   def __post_init__(self):
     positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
@@ -97,6 +116,33 @@ class ModelConfig:
       _fail(
         "model.intermediate_size", "dense MLP layers exist (mlp_only_layers / decoder_sparse_step), so it must be > 0."
       )
+    if self.layer_types:
+      if len(self.layer_types) != self.num_layers:
+        _fail(
+          "model.layer_types",
+          f"has {len(self.layer_types)} entries for num_layers = {self.num_layers}; give one per layer (or none).",
+        )
+      unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+      if unknown:
+        _fail("model.layer_types", f"unknown layer types {unknown}; expected entries of {LAYER_TYPES}.")
+    if self.linear_layers:
+      for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"):
+        if getattr(self, name) <= 0:
+          _fail(f"model.{name}", f"must be positive when layer_types has linear_attention layers, got {getattr(self, name)}.")
+      if self.linear_num_value_heads % self.linear_num_key_heads:
+        _fail(
+          "model.linear_num_value_heads",
+          f"{self.linear_num_value_heads} value heads cannot share {self.linear_num_key_heads} key heads; "
+          "it must be a multiple of linear_num_key_heads.",
+        )
+      if self.linear_conv_kernel_dim < 1 or self.linear_chunk_size < 1:
+        _fail("model.linear_conv_kernel_dim", "the conv kernel and linear_chunk_size must be >= 1.")
+    if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+      _fail(
+        "model.partial_rotary_factor",
+        f"{self.partial_rotary_factor} gives {self.rotary_dim} rotary dims of head_dim = {self.head_dim}; "
+        "it must lie in (0, 1] and give an even number of dims.",
+      )
 
   def is_moe_layer(self, layer: int) -> bool:
     """The Qwen-MoE rule for which layers are sparse."""
@@ -106,9 +152,31 @@ class ModelConfig:
   def moe_layers(self) -> tuple[int, ...]:
     return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
+  def layer_type(self, layer: int) -> str:
+    return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
+
+  @property
+  def linear_layers(self) -> tuple[int, ...]:
+    """The Gated DeltaNet layers (no KV cache: a recurrent state instead)."""
+    return tuple(i for i in range(self.num_layers) if self.layer_type(i) == LINEAR_ATTENTION)
+
+  @property
+  def attention_layers(self) -> tuple[int, ...]:
+    """The full-attention layers (the ones with a KV cache)."""
+    return tuple(i for i in range(self.num_layers) if self.layer_type(i) == FULL_ATTENTION)
+
+  @property
+  def rotary_dim(self) -> int:
+    return int(self.head_dim * self.partial_rotary_factor)
+
+  @property
+  def norm_offset(self) -> float:
+    """What RMSNorm adds to its weight: 1 for zero-centred norms (Qwen3.5), else 0."""
+    return 1.0 if self.zero_centered_norm else 0.0
+
 
 # Where FP4 fake-quant / FP4 storage applies (SPEC section 2.5); the rest stays BF16.
-QUANT_TARGETS = ("experts", "kv", "attention", "dense_mlp", "shared_expert")
+QUANT_TARGETS = ("experts", "kv", "attention", "dense_mlp", "shared_expert", "linear_attention")
 
 # The activation tensors the rollout records guidance for, per layer: the routed experts' input
 # (one row per token, shared by its k experts), their hidden activation (k rows per token) and
@@ -125,7 +193,9 @@ class QuantConfig:
   """What the trainer fake-quantizes and the rollout stores in FP4.
 
   targets: subset of QUANT_TARGETS. `experts` = routed-expert matmuls (weights and, when
-  `activations`, their inputs); `kv` = K/V as stored in the KV cache.
+  `activations`, their inputs); `kv` = K/V as stored in the KV cache (full-attention layers: the
+  Gated DeltaNet layers of a hybrid keep an fp32 recurrent state); `linear_attention` = the Gated
+  DeltaNet input and output projections (BF16 unless listed, as the paper keeps them).
   weights / activations: W4 and A4 switches (qat_w4a16 = weights only).
   matmul_impl: how the engine's packed FP4 matmuls run: 'auto' (the Pallas kernel on GPU, its
   jnp reference elsewhere), 'pallas' or 'reference'.
@@ -184,6 +254,8 @@ class QuantConfig:
       dims.update(hidden_size=model.hidden_size, intermediate_size=model.intermediate_size)
     if "shared_expert" in self.targets:
       dims.update(hidden_size=model.hidden_size, shared_expert_intermediate_size=model.shared_expert_intermediate_size)
+    if "linear_attention" in self.targets and model.linear_layers:
+      dims.update(hidden_size=model.hidden_size, linear_value_head_dim=model.linear_value_head_dim)
     for name, d in dims.items():
       if d % block:
         _fail(f"model.{name}", f"{d} is not a multiple of the {self.fmt} block size {block}; FP4 needs whole blocks.")

@@ -1,11 +1,17 @@
 """Hugging Face checkpoints in and out: config.json + *.safetensors <-> (ModelConfig, Params).
 
-Supported architectures: `Qwen3MoeForCausalLM` and `MixtralForCausalLM`, in the public on-disk
+Supported architectures: `Qwen3MoeForCausalLM`, `MixtralForCausalLM` and the Qwen3.5-MoE text
+model `Qwen3_5MoeForCausalLM` (Gated DeltaNet hybrid: `linear_attn.*` tensors split into our
+q/k/v/z/b/a projections and per-channel conv taps; `self_attn.q_proj` holds query and output gate
+interleaved per head, [nh, 2, D] rows, split into q and gate), in the public on-disk
 layout (one tensor per expert, `model.layers.{i}.mlp.experts.{e}.gate_proj.weight` [I, H];
 Mixtral: `block_sparse_moe.experts.{e}.w1/w3/w2`), single-file or sharded with
 `model.safetensors.index.json`. The fused layout that transformers >= 5 holds in memory
 (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) is accepted too.
 `save_pretrained` writes the per-expert layout, which transformers reloads.
+Qwen3.5: the multi-token-prediction head of released checkpoints (`mtp.*`) is dropped at load, as
+transformers drops it; a vision tower (`vision_config`, `model.visual.*`) is refused: this loader
+reads the text model only.
 
 Hugging Face linear weights are [out, in]; ours are [in, out] with heads split out:
 q [H, nh, D], k/v [H, nkv, D], o [nh, D, H], experts gate/up [E, H, I], down [E, I, H],
@@ -27,12 +33,14 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from trace_jax.config import ConfigError, ModelConfig
+from trace_jax.deltanet import DeltaNetParams
 from trace_jax.model import AttentionParams, LayerParams, Params
 from trace_jax.moe import MLPParams, MoEParams
 
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
-ARCHITECTURES = (QWEN3_MOE, MIXTRAL)
+QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
+ARCHITECTURES = (QWEN3_MOE, MIXTRAL, QWEN3_5_MOE)
 
 # transformers' defaults for the fields a config.json may omit (Qwen3MoeConfig, MixtralConfig),
 # first those the two classes share.
@@ -52,15 +60,39 @@ _DEFAULTS = {
   MIXTRAL: dict(
     _COMMON_DEFAULTS, num_key_value_heads=8, rope_theta=1_000_000.0, rms_norm_eps=1e-5, max_position_embeddings=131072
   ),
+  QWEN3_5_MOE: dict(  # Qwen3_5MoeTextConfig
+    _COMMON_DEFAULTS,
+    vocab_size=248320,
+    hidden_size=2048,
+    num_hidden_layers=40,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    rope_theta=10_000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=32768,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    num_experts_per_tok=8,
+    num_experts=256,
+    full_attention_interval=4,
+  ),
 }
-_MODEL_TYPE = {QWEN3_MOE: "qwen3_moe", MIXTRAL: "mixtral"}
+_MODEL_TYPE = {QWEN3_MOE: "qwen3_moe", MIXTRAL: "mixtral", QWEN3_5_MOE: "qwen3_5_moe_text"}
 # Per architecture: the MoE module name and the names of the expert gate/up/down projections.
 _EXPERTS = {
   QWEN3_MOE: ("mlp", ("gate_proj", "up_proj", "down_proj")),
+  QWEN3_5_MOE: ("mlp", ("gate_proj", "up_proj", "down_proj")),
   MIXTRAL: ("block_sparse_moe", ("w1", "w3", "w2")),
 }
 # Tensors some checkpoints carry that the model does not use (recomputed or redundant).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_IGNORED_PREFIXES = ("mtp.",)  # Qwen3.5's multi-token-prediction head: transformers drops it too
 
 
 class HFCheckpointError(ValueError):
@@ -100,6 +132,48 @@ def _rope_theta(hf: Mapping[str, Any], default: float) -> float:
   return float(hf.get("rope_theta", default))
 
 
+def _partial_rotary_factor(hf: Mapping[str, Any], default: float) -> float:
+  params = hf.get("rope_parameters") or {}
+  return float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default)))
+
+
+def _qwen3_5_fields(hf: Mapping[str, Any], get) -> dict:
+  """The Qwen3.5-MoE text model's fields (every layer MoE with a gated shared expert; hybrid mixers)."""
+  if hf.get("vision_config") is not None or hf.get("text_config") is not None:
+    raise HFCheckpointError(
+      "config.json: vision_config / text_config present: this is the vision-language checkpoint; this loader "
+      "reads the text model (Qwen3_5MoeForCausalLM) only. Save the text model (its text_config as config.json "
+      "and the model.language_model.* tensors as model.*) and load that."
+    )
+  n = get("num_hidden_layers")
+  layer_types = hf.get("layer_types")
+  if layer_types is None:
+    interval = get("full_attention_interval")
+    layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+  return dict(
+    num_experts=get("num_experts"),
+    moe_intermediate_size=get("moe_intermediate_size"),
+    intermediate_size=0,
+    shared_expert_intermediate_size=get("shared_expert_intermediate_size"),
+    norm_topk_prob=True,
+    qk_norm=True,
+    layer_types=tuple(layer_types),
+    attention_output_gate=True,
+    zero_centered_norm=True,
+    partial_rotary_factor=_partial_rotary_factor(hf, 0.25),
+    **{
+      f: get(f)
+      for f in (
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+      )
+    },
+  )
+
+
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
   """ModelConfig from a parsed config.json; rejects features the model does not implement."""
   arch = architecture_of(hf)
@@ -125,7 +199,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
       "set it to null (or use_sliding_window = false) to load the model with full attention."
     )
 
-  if arch == QWEN3_MOE:
+  if arch == QWEN3_5_MOE:
+    moe = _qwen3_5_fields(hf, get)
+  elif arch == QWEN3_MOE:
     counts = {k: hf[k] for k in ("num_experts", "num_local_experts") if hf.get(k) is not None}
     if len(set(counts.values())) > 1:
       raise HFCheckpointError(f"config.json: num_experts and num_local_experts disagree ({counts}); keep one.")
@@ -156,7 +232,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
       num_layers=get("num_hidden_layers"),
       num_heads=heads,
       num_kv_heads=get("num_key_value_heads"),
-      head_dim=hf.get("head_dim") or hidden // heads,
+      head_dim=hf.get("head_dim") or defaults.get("head_dim") or hidden // heads,
       num_experts_per_tok=get("num_experts_per_tok"),
       rope_theta=_rope_theta(hf, defaults["rope_theta"]),
       rms_norm_eps=float(get("rms_norm_eps")),
@@ -171,6 +247,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
 
 
 def default_architecture(config: ModelConfig) -> str:
+  if config.zero_centered_norm or config.linear_layers or config.attention_output_gate:
+    return QWEN3_5_MOE
   return QWEN3_MOE if config.qk_norm else MIXTRAL
 
 
@@ -203,7 +281,23 @@ def config_to_hf(config: ModelConfig, architecture: str | None = None, dtype: st
     dtype=dtype,
     torch_dtype=dtype,
   )
-  if arch == QWEN3_MOE:
+  if arch == QWEN3_5_MOE:
+    hf.update(
+      num_experts=c.num_experts,
+      moe_intermediate_size=c.moe_intermediate_size,
+      shared_expert_intermediate_size=c.shared_expert_intermediate_size,
+      layer_types=[c.layer_type(i) for i in range(c.num_layers)],
+      rope_parameters=dict(rope_type="default", rope_theta=c.rope_theta, partial_rotary_factor=c.partial_rotary_factor),
+      linear_num_key_heads=c.linear_num_key_heads,
+      linear_num_value_heads=c.linear_num_value_heads,
+      linear_key_head_dim=c.linear_key_head_dim,
+      linear_value_head_dim=c.linear_value_head_dim,
+      linear_conv_kernel_dim=c.linear_conv_kernel_dim,
+      attention_bias=False,
+    )
+    for field in ("rope_theta", "sliding_window"):
+      hf.pop(field)
+  elif arch == QWEN3_MOE:
     hf.update(
       num_experts=c.num_experts,
       moe_intermediate_size=c.moe_intermediate_size,
@@ -223,6 +317,22 @@ def _check_exportable(config: ModelConfig, arch: str):
   if arch not in ARCHITECTURES:
     raise HFCheckpointError(f"architecture {arch!r} is not supported; expected one of {list(ARCHITECTURES)}.")
   problems = []
+  if arch == QWEN3_5_MOE:
+    required = dict(
+      zero_centered_norm=True, attention_output_gate=True, qk_norm=True, norm_topk_prob=True, tie_word_embeddings=None
+    )
+    for field, value in required.items():
+      if value is not None and getattr(config, field) != value:
+        problems.append(f"{field} = {getattr(config, field)} (Qwen3.5-MoE has {value})")
+    if not config.shared_expert_intermediate_size:
+      problems.append("shared_expert_intermediate_size = 0 (Qwen3.5-MoE has a gated shared expert)")
+    if len(config.moe_layers) != config.num_layers:
+      problems.append("dense MLP layers (Qwen3.5-MoE is sparse in every layer)")
+    if problems:
+      raise HFCheckpointError(f"cannot export as {arch}: config.model has " + "; ".join(problems) + ".")
+    return
+  if config.linear_layers or config.zero_centered_norm or config.attention_output_gate:
+    problems.append("Qwen3.5 features (linear_attention layers, zero-centred norms or gated attention)")
   if config.shared_expert_intermediate_size:
     problems.append("shared_expert_intermediate_size > 0 (neither architecture has a shared expert)")
   if arch == QWEN3_MOE and not config.qk_norm:
@@ -303,14 +413,20 @@ def _read_layer(r: _Reader, c: ModelConfig, arch: str, i: int, dtype) -> LayerPa
   cast = lambda a: np.ascontiguousarray(a, dtype=dtype)
   hint, q_out, kv_out = _attention_shapes(c)
   get = lambda name, shape, why=hint: r.get(p + name, shape, why)
-  attn = AttentionParams(
-    q=cast(get("self_attn.q_proj.weight", (q_out, h)).T.reshape(h, c.num_heads, c.head_dim)),
-    k=cast(get("self_attn.k_proj.weight", (kv_out, h)).T.reshape(h, c.num_kv_heads, c.head_dim)),
-    v=cast(get("self_attn.v_proj.weight", (kv_out, h)).T.reshape(h, c.num_kv_heads, c.head_dim)),
-    o=cast(get("self_attn.o_proj.weight", (h, q_out)).T.reshape(c.num_heads, c.head_dim, h)),
-    q_norm=cast(get("self_attn.q_norm.weight", (c.head_dim,), "head_dim")) if c.qk_norm else None,
-    k_norm=cast(get("self_attn.k_norm.weight", (c.head_dim,), "head_dim")) if c.qk_norm else None,
-  )
+  if i in c.linear_layers:
+    attn = _read_deltanet(r, c, i, cast)
+  else:
+    gated = c.attention_output_gate  # q_proj rows [nh, 2, D]: each head's query, then its gate
+    q_rows = get("self_attn.q_proj.weight", (q_out * (2 if gated else 1), h)).T.reshape(h, c.num_heads, -1)
+    attn = AttentionParams(
+      q=cast(q_rows[..., : c.head_dim]),
+      k=cast(get("self_attn.k_proj.weight", (kv_out, h)).T.reshape(h, c.num_kv_heads, c.head_dim)),
+      v=cast(get("self_attn.v_proj.weight", (kv_out, h)).T.reshape(h, c.num_kv_heads, c.head_dim)),
+      o=cast(get("self_attn.o_proj.weight", (h, q_out)).T.reshape(c.num_heads, c.head_dim, h)),
+      q_norm=cast(get("self_attn.q_norm.weight", (c.head_dim,), "head_dim")) if c.qk_norm else None,
+      k_norm=cast(get("self_attn.k_norm.weight", (c.head_dim,), "head_dim")) if c.qk_norm else None,
+      gate=cast(q_rows[..., c.head_dim :]) if gated else None,
+    )
   if c.is_moe_layer(i):
     mlp = _read_experts(r, c, arch, i, cast)
   else:  # a dense SwiGLU layer (Qwen3 mlp_only_layers / decoder_sparse_step)
@@ -328,6 +444,56 @@ def _read_layer(r: _Reader, c: ModelConfig, arch: str, i: int, dtype) -> LayerPa
   )
 
 
+def _deltanet_dims(c: ModelConfig):
+  nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+  return nk, nv, dk, dv, c.linear_conv_kernel_dim, 2 * nk * dk + nv * dv
+
+
+def _read_deltanet(r: _Reader, c: ModelConfig, i: int, cast) -> DeltaNetParams:
+  """linear_attn.*: in_proj_qkv [C, H] (q, k, v rows), in_proj_z [nv dv, H], in_proj_b/a [nv, H],
+  conv1d.weight [C, 1, Kc], dt_bias/A_log [nv], norm.weight [dv], out_proj.weight [H, nv dv]."""
+  h, p = c.hidden_size, f"model.layers.{i}.linear_attn."
+  nk, nv, dk, dv, kc, channels = _deltanet_dims(c)
+  why = "hidden_size, linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim"
+  get = lambda name, shape, hint=why: r.get(p + name, shape, hint)
+  qkv = get("in_proj_qkv.weight", (channels, h)).T
+  conv = get("conv1d.weight", (channels, 1, kc), why + ", linear_conv_kernel_dim")[:, 0].T  # [Kc, C]
+  split = lambda a: (a[..., : nk * dk], a[..., nk * dk : 2 * nk * dk], a[..., 2 * nk * dk :])
+  (q, k, v), (cq, ck, cv) = split(qkv), split(conv)
+  return DeltaNetParams(
+    q=cast(q.reshape(h, nk, dk)),
+    k=cast(k.reshape(h, nk, dk)),
+    v=cast(v.reshape(h, nv, dv)),
+    z=cast(get("in_proj_z.weight", (nv * dv, h)).T.reshape(h, nv, dv)),
+    b=cast(get("in_proj_b.weight", (nv, h)).T),
+    a=cast(get("in_proj_a.weight", (nv, h)).T),
+    conv_q=cast(cq.reshape(kc, nk, dk)),
+    conv_k=cast(ck.reshape(kc, nk, dk)),
+    conv_v=cast(cv.reshape(kc, nv, dv)),
+    a_log=cast(get("A_log", (nv,))),
+    dt_bias=cast(get("dt_bias", (nv,))),
+    norm=cast(get("norm.weight", (dv,))),
+    out=cast(get("out_proj.weight", (h, nv * dv)).T.reshape(nv, dv, h)),
+  )
+
+
+def _deltanet_state_dict(p: str, a: DeltaNetParams, c: ModelConfig) -> dict[str, np.ndarray]:
+  host = np.asarray
+  kc = c.linear_conv_kernel_dim
+  flat = lambda *ws: np.concatenate([host(w).reshape(w.shape[0], -1) for w in ws], axis=-1)
+  return {
+    p + "in_proj_qkv.weight": flat(a.q, a.k, a.v).T,
+    p + "in_proj_z.weight": host(a.z).reshape(c.hidden_size, -1).T,
+    p + "in_proj_b.weight": host(a.b).T,
+    p + "in_proj_a.weight": host(a.a).T,
+    p + "conv1d.weight": flat(a.conv_q, a.conv_k, a.conv_v).T.reshape(-1, 1, kc),
+    p + "A_log": host(a.a_log),
+    p + "dt_bias": host(a.dt_bias),
+    p + "norm.weight": host(a.norm),
+    p + "out_proj.weight": host(a.out).reshape(-1, c.hidden_size).T,
+  }
+
+
 def _read_experts(r: _Reader, c: ModelConfig, arch: str, i: int, cast) -> MoEParams:
   e, h, n = c.num_experts, c.hidden_size, c.moe_intermediate_size
   module = _moe_module(arch, i, r)
@@ -342,7 +508,17 @@ def _read_experts(r: _Reader, c: ModelConfig, arch: str, i: int, cast) -> MoEPar
   else:
     stack = lambda name, shape: np.stack([r.get(f"{module}.experts.{j}.{name}.weight", shape, why).T for j in range(e)])
     gate, up, down = stack(names[0], (n, h)), stack(names[1], (n, h)), stack(names[2], (h, n))
-  return MoEParams(router=router, gate=cast(gate), up=cast(up), down=cast(down))
+  shared = shared_gate = None
+  if c.shared_expert_intermediate_size:  # Qwen3.5 / Qwen2-MoE: mlp.shared_expert + mlp.shared_expert_gate
+    m, why_s = c.shared_expert_intermediate_size, "hidden_size, shared_expert_intermediate_size"
+    get = lambda name, shape: cast(r.get(f"{module}.{name}.weight", shape, why_s).T)
+    shared = MLPParams(
+      get("shared_expert.gate_proj", (m, h)), get("shared_expert.up_proj", (m, h)), get("shared_expert.down_proj", (h, m))
+    )
+    shared_gate = get("shared_expert_gate", (1, h))
+  return MoEParams(
+    router=router, gate=cast(gate), up=cast(up), down=cast(down), shared=shared, shared_gate=shared_gate
+  )
 
 
 def load_pretrained(path: str | pathlib.Path, dtype=np.float32) -> tuple[ModelConfig, Params]:
@@ -370,7 +546,14 @@ def load_pretrained(path: str | pathlib.Path, dtype=np.float32) -> tuple[ModelCo
     else:
       why = "vocab_size, hidden_size, tie_word_embeddings = false"
       lm_head = cast(r.get("lm_head.weight", (c.vocab_size, c.hidden_size), why).T)
-    unexpected = sorted(n for n in r.unused if not n.endswith(_IGNORED_SUFFIXES))
+    visual = sorted(n for n in r.unused if n.startswith(("model.visual.", "visual.")))
+    if visual:
+      raise HFCheckpointError(
+        f"{path}: tensor {visual[0]!r} (and {len(visual) - 1} more) belong to a vision tower; this loader reads "
+        f"the text model only. Remove the vision tensors (model.visual.*) to load the language model."
+      )
+    ignored = lambda n: n.endswith(_IGNORED_SUFFIXES) or n.startswith(_IGNORED_PREFIXES)
+    unexpected = sorted(n for n in r.unused if not ignored(n))
     if unexpected:
       raise HFCheckpointError(
         f"{path}: {len(unexpected)} unexpected tensor(s) that {arch} as implemented here does not use, e.g. "
@@ -399,13 +582,22 @@ def state_dict(params: Params, config: ModelConfig, architecture: str | None = N
     p, a = f"model.layers.{i}.", layer.attn
     out[p + "input_layernorm.weight"] = host(layer.input_norm)
     out[p + "post_attention_layernorm.weight"] = host(layer.post_attn_norm)
-    out[p + "self_attn.q_proj.weight"] = host(a.q).reshape(c.hidden_size, -1).T
-    out[p + "self_attn.k_proj.weight"] = host(a.k).reshape(c.hidden_size, -1).T
-    out[p + "self_attn.v_proj.weight"] = host(a.v).reshape(c.hidden_size, -1).T
-    out[p + "self_attn.o_proj.weight"] = host(a.o).reshape(-1, c.hidden_size).T
-    if a.q_norm is not None:
-      out[p + "self_attn.q_norm.weight"] = host(a.q_norm)
-      out[p + "self_attn.k_norm.weight"] = host(a.k_norm)
+    if isinstance(layer.mlp, MoEParams) and layer.mlp.shared is not None:
+      module = _moe_module(arch, i)
+      for name in ("gate", "up", "down"):
+        out[f"{module}.shared_expert.{name}_proj.weight"] = host(getattr(layer.mlp.shared, name)).T
+      out[f"{module}.shared_expert_gate.weight"] = host(layer.mlp.shared_gate).T
+    if isinstance(a, DeltaNetParams):
+      out.update(_deltanet_state_dict(p + "linear_attn.", a, c))
+    else:
+      q = host(a.q) if a.gate is None else np.stack([host(a.q), host(a.gate)], axis=2)  # [H, nh, 2, D]
+      out[p + "self_attn.q_proj.weight"] = q.reshape(c.hidden_size, -1).T
+      out[p + "self_attn.k_proj.weight"] = host(a.k).reshape(c.hidden_size, -1).T
+      out[p + "self_attn.v_proj.weight"] = host(a.v).reshape(c.hidden_size, -1).T
+      out[p + "self_attn.o_proj.weight"] = host(a.o).reshape(-1, c.hidden_size).T
+      if a.q_norm is not None:
+        out[p + "self_attn.q_norm.weight"] = host(a.q_norm)
+        out[p + "self_attn.k_norm.weight"] = host(a.k_norm)
     if isinstance(layer.mlp, MoEParams):
       module, names = _moe_module(arch, i), _EXPERTS[arch][1]
       out[f"{module}.gate.weight"] = host(layer.mlp.router).T

@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_jax import attention, moe, qat
+from trace_jax import attention, deltanet, moe, qat
 from trace_jax.config import KEY, MOE_HIDDEN, MOE_INPUT, VALUE, ModelConfig, SamplingConfig
+from trace_jax.deltanet import DeltaNetParams
 from trace_jax.moe import MLPParams, MoEParams
 from trace_jax.quantizer import Guidance, QuantStats
 from trace_jax.sharding import param_field
@@ -25,7 +26,8 @@ from trace_jax.sharding import param_field
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionParams:
-  """q [H, nh, D], k/v [H, nkv, D], o [nh, D, H]; q_norm/k_norm [D] (None without QK-norm)."""
+  """q [H, nh, D], k/v [H, nkv, D], o [nh, D, H]; q_norm/k_norm [D] (None without QK-norm);
+  gate [H, nh, D]: Qwen3.5's output gate (the second half of each head of its q_proj), None without."""
 
   q: jax.Array = param_field("embed", "heads", "head_dim")
   k: jax.Array = param_field("embed", "kv_heads", "head_dim")
@@ -33,15 +35,18 @@ class AttentionParams:
   o: jax.Array = param_field("heads", "head_dim", "embed")
   q_norm: jax.Array | None = param_field("head_dim", default=None)
   k_norm: jax.Array | None = param_field("head_dim", default=None)
+  gate: jax.Array | None = param_field("embed", "heads", "head_dim", default=None)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerParams:
-  """One decoder layer. mlp: MoEParams | MLPParams in the trainer; rollout.EngineMoE | MLPParams in the engine."""
+  """One decoder layer. attn: the token mixer, AttentionParams (full attention) or
+  deltanet.DeltaNetParams (a Qwen3.5 linear-attention layer). mlp: MoEParams | MLPParams in the
+  trainer; rollout.EngineMoE | MLPParams in the engine."""
 
   input_norm: jax.Array = param_field("norm")  # [H]
-  attn: AttentionParams
+  attn: AttentionParams | DeltaNetParams
   post_attn_norm: jax.Array = param_field("norm")  # [H]
   mlp: MoEParams | MLPParams
 
@@ -68,25 +73,30 @@ class ForwardAux:
 
 
 def init_params(config: ModelConfig, rng: jax.Array, dtype=jnp.float32) -> Params:
-  """Normal(0, initializer_range) weights, unit norms, as Hugging Face initializes."""
+  """Normal(0, initializer_range) weights, unit norms (zeros for zero-centred ones), as Hugging Face
+  initializes."""
   c = config
-  keys = iter(jax.random.split(rng, 4 + 16 * c.num_layers))
+  keys = iter(jax.random.split(rng, 4 + 32 * c.num_layers))
   normal = lambda *shape: (c.initializer_range * jax.random.normal(next(keys), shape)).astype(dtype)
-  ones = lambda n: jnp.ones((n,), dtype)
+  ones = lambda n: jnp.full((n,), 1.0 - c.norm_offset, dtype)
 
   def mlp_params(inter):
     return MLPParams(normal(c.hidden_size, inter), normal(c.hidden_size, inter), normal(inter, c.hidden_size))
 
   layers = []
   for i in range(c.num_layers):
-    attn = AttentionParams(
-      q=normal(c.hidden_size, c.num_heads, c.head_dim),
-      k=normal(c.hidden_size, c.num_kv_heads, c.head_dim),
-      v=normal(c.hidden_size, c.num_kv_heads, c.head_dim),
-      o=normal(c.num_heads, c.head_dim, c.hidden_size),
-      q_norm=ones(c.head_dim) if c.qk_norm else None,
-      k_norm=ones(c.head_dim) if c.qk_norm else None,
-    )
+    if i in c.linear_layers:
+      attn = deltanet.init_params(c, normal, dtype, next(keys))
+    else:
+      attn = AttentionParams(
+        q=normal(c.hidden_size, c.num_heads, c.head_dim),
+        k=normal(c.hidden_size, c.num_kv_heads, c.head_dim),
+        v=normal(c.hidden_size, c.num_kv_heads, c.head_dim),
+        o=normal(c.num_heads, c.head_dim, c.hidden_size),
+        q_norm=ones(c.head_dim) if c.qk_norm else None,
+        k_norm=ones(c.head_dim) if c.qk_norm else None,
+        gate=normal(c.hidden_size, c.num_heads, c.head_dim) if c.attention_output_gate else None,
+      )
     if c.is_moe_layer(i):
       e, h, m = c.num_experts, c.hidden_size, c.moe_intermediate_size
       shared = c.shared_expert_intermediate_size
@@ -133,16 +143,30 @@ def attention_block(p: AttentionParams, x, positions, mask, config: ModelConfig,
   k = jnp.einsum("bsh,hnd->bsnd", xa, k_w.astype(dt), preferred_element_type=jnp.float32)
   v = jnp.einsum("bsh,hnd->bsnd", xa, v_w.astype(dt), preferred_element_type=jnp.float32)
   if p.q_norm is not None:
-    q = attention.rms_norm(q, p.q_norm, config.rms_norm_eps)
-    k = attention.rms_norm(k, p.k_norm, config.rms_norm_eps)
-  cos, sin = attention.rope_tables(positions, config.head_dim, config.rope_theta)
+    q = attention.rms_norm(q, p.q_norm, config.rms_norm_eps, offset=config.norm_offset)
+    k = attention.rms_norm(k, p.k_norm, config.rms_norm_eps, offset=config.norm_offset)
+  cos, sin = attention.rope_tables(positions, config.rotary_dim, config.rope_theta)
   q, k = attention.apply_rope(q, cos, sin), attention.apply_rope(k, cos, sin)
   k, k_stats = ctx.guided_activation(k.astype(dt), "kv", guidance.get(KEY), KEY)
   v, v_stats = ctx.guided_activation(v.astype(dt), "kv", guidance.get(VALUE), VALUE)
   out = attention.causal_attention(q, k, v, mask, scale=config.head_dim**-0.5, compute_dtype=dt)
+  if p.gate is not None:  # Qwen3.5's gated attention: attn * sigmoid(gate) before o_proj
+    gate_w = ctx.weight(p.gate, "attention")
+    gate = jnp.einsum("bsh,hnd->bsnd", xa, gate_w.astype(dt), preferred_element_type=jnp.float32)
+    out = out.astype(dt) * jax.nn.sigmoid(gate.astype(dt))
   out = ctx.activation(out.astype(dt), "attention")
   out = jnp.einsum("bsnd,ndh->bsh", out.astype(dt), o_w.astype(dt), preferred_element_type=jnp.float32)
   return out, {KEY: k_stats, VALUE: v_stats}
+
+
+def linear_attention_block(p: DeltaNetParams, x, mask, config: ModelConfig, ctx: qat.QatContext):
+  """x [B, S, H] -> out [B, S, H] fp32: a Gated DeltaNet layer over the full sequence (chunked rule,
+  fp32 state). W4/A4 fake-quant of its projections under the 'linear_attention' target."""
+  axes = {"q": 0, "k": 0, "v": 0, "z": 0, "b": 0, "a": 0, "out": 1}  # blocks along the contraction
+  p = dataclasses.replace(p, **{n: ctx.weight(getattr(p, n), "linear_attention", ax) for n, ax in axes.items()})
+  act = lambda a: ctx.activation(a, "linear_attention")
+  out, _ = deltanet.mix(p, x, config, mask=mask, dtype=ctx.compute_dtype, act=act)
+  return out
 
 
 def forward(
@@ -182,10 +206,13 @@ def forward(
   router_logits, topk_ids, layer_stats, dropped = [], [], [], []
   for i, layer in enumerate(params.layers):
     g, layer_ctx = guidance[i] or {}, ctx.for_layer(i)
-    h = attention.rms_norm(x, layer.input_norm, config.rms_norm_eps).astype(dt)
-    attn_out, stats = attention_block(layer.attn, h, positions, mask, config, layer_ctx, g)
+    h = attention.rms_norm(x, layer.input_norm, config.rms_norm_eps, offset=config.norm_offset).astype(dt)
+    if isinstance(layer.attn, DeltaNetParams):
+      attn_out, stats = linear_attention_block(layer.attn, h, mask, config, layer_ctx), {}
+    else:
+      attn_out, stats = attention_block(layer.attn, h, positions, mask, config, layer_ctx, g)
     x = x + attn_out
-    h = attention.rms_norm(x, layer.post_attn_norm, config.rms_norm_eps).astype(dt)
+    h = attention.rms_norm(x, layer.post_attn_norm, config.rms_norm_eps, offset=config.norm_offset).astype(dt)
     if isinstance(layer.mlp, MoEParams):
       replay = None if replay_ids[i] is None else replay_ids[i].reshape(b * s, -1)
       # Replayed experts are the rollout's, in its order: its guidance rows line up slot by slot.
@@ -215,7 +242,7 @@ def forward(
       router_logits.append(None)
       topk_ids.append(None)
     layer_stats.append({k: _masked_sum(v, mask if stats_mask is None else stats_mask) for k, v in stats.items()})
-  x = attention.rms_norm(x, params.final_norm, config.rms_norm_eps)
+  x = attention.rms_norm(x, params.final_norm, config.rms_norm_eps, offset=config.norm_offset)
   logits = jnp.einsum(
     "bsh,hv->bsv", x.astype(dt), lm_head_weight(params).astype(dt), preferred_element_type=jnp.float32
   )

@@ -47,6 +47,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
   ("mlp", ("tensor",)),
   ("experts", ("expert",)),
   ("norm", ()),
+  ("conv", ()),  # the taps of Gated DeltaNet's causal conv
   ("packed", ()),  # the packed FP4 codes / block-scale axis: never split
 )
 _RULES = dict(LOGICAL_AXIS_RULES)
