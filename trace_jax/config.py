@@ -128,7 +128,10 @@ class ModelConfig:
     if self.linear_layers:
       for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"):
         if getattr(self, name) <= 0:
-          _fail(f"model.{name}", f"must be positive when layer_types has linear_attention layers, got {getattr(self, name)}.")
+          _fail(
+            f"model.{name}",
+            f"must be positive when layer_types has linear_attention layers, got {getattr(self, name)}.",
+          )
       if self.linear_num_value_heads % self.linear_num_key_heads:
         _fail(
           "model.linear_num_value_heads",

@@ -71,9 +71,7 @@ def init_state(config: ModelConfig, batch: int, dtype) -> DeltaNetState:
   channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
   return DeltaNetState(
     conv=jnp.zeros((batch, c.linear_conv_kernel_dim - 1, channels), dtype),
-    recurrent=jnp.zeros(
-      (batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim), jnp.float32
-    ),
+    recurrent=jnp.zeros((batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim), jnp.float32),
   )
 
 
@@ -136,6 +134,22 @@ def recurrent_rule(q, k, v, g, beta, state=None):
   return jnp.moveaxis(out, 0, 1), state
 
 
+def _unit_lower_inverse(a: jax.Array) -> jax.Array:
+  """(I + strictly_lower(a))^-1 for a [..., C, C], by forward substitution row by row (transformers'
+  export path, and FLA's): row i of the inverse's strict part is r_i + r_i T with r_i = -a[i, :i].
+  A lax.fori_loop over rows: XLA:CPU's triangular-solve custom call hangs inside some jitted
+  gradients, and this is as cheap at chunk sizes."""
+  c = a.shape[-1]
+  t = -jnp.tril(a, -1)
+
+  def row(i, t):
+    r = jax.lax.dynamic_index_in_dim(t, i, axis=-2, keepdims=False)  # [..., C], zero from column i on
+    new = r + jnp.einsum("...k,...kj->...j", r, t, precision=jax.lax.Precision.HIGHEST)
+    return jax.lax.dynamic_update_index_in_dim(t, new, i, axis=-2)
+
+  return jax.lax.fori_loop(1, c, row, t) + jnp.eye(c, dtype=a.dtype)
+
+
 def chunked_rule(q, k, v, g, beta, chunk: int, state=None):
   """The chunked form (transformers' torch_chunk_gated_delta_rule): (out [B, S, nv, dv], final state).
 
@@ -163,8 +177,8 @@ def chunked_rule(q, k, v, g, beta, chunk: int, state=None):
   ut = mm(k_beta, jnp.swapaxes(k, -1, -2)) * decay
   intra = mm(q, jnp.swapaxes(k, -1, -2)) * decay
   decayed_k_beta = k_beta * jnp.exp(cum)[..., None]
-  solve = lambda rhs: jax.lax.linalg.triangular_solve(ut, rhs, left_side=True, lower=True, unit_diagonal=True)
-  new_values, k_cumdecay = solve(v_beta), solve(decayed_k_beta)
+  inverse = _unit_lower_inverse(ut)  # (I + strictly_lower(ut))^-1: the UT transform
+  new_values, k_cumdecay = mm(inverse, v_beta), mm(inverse, decayed_k_beta)
   q = q * jnp.exp(cum)[..., None]
   k = k * jnp.exp(cum[..., -1:] - cum)[..., None]
   chunk_decay = jnp.exp(cum[..., -1])[..., None, None]

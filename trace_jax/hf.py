@@ -107,6 +107,12 @@ class HFCheckpointError(ValueError):
 def architecture_of(hf_config: Mapping[str, Any]) -> str:
   archs = hf_config.get("architectures") or []
   supported = [a for a in archs if a in ARCHITECTURES]
+  if not supported and (hf_config.get("text_config") is not None or any("Qwen3_5Moe" in a for a in archs)):
+    raise HFCheckpointError(
+      f"config.json: architectures = {archs} is the vision-language checkpoint; this loader reads the text model "
+      f"({QWEN3_5_MOE}) only. Save its text_config as config.json (architectures = ['{QWEN3_5_MOE}']) and its "
+      "model.language_model.* tensors as model.*, without model.visual.* and mtp.*, and load that."
+    )
   if not supported:
     raise HFCheckpointError(
       f"config.json: architectures = {archs} is not supported; this loader reads {list(ARCHITECTURES)}. "
@@ -513,12 +519,12 @@ def _read_experts(r: _Reader, c: ModelConfig, arch: str, i: int, cast) -> MoEPar
     m, why_s = c.shared_expert_intermediate_size, "hidden_size, shared_expert_intermediate_size"
     get = lambda name, shape: cast(r.get(f"{module}.{name}.weight", shape, why_s).T)
     shared = MLPParams(
-      get("shared_expert.gate_proj", (m, h)), get("shared_expert.up_proj", (m, h)), get("shared_expert.down_proj", (h, m))
+      get("shared_expert.gate_proj", (m, h)),
+      get("shared_expert.up_proj", (m, h)),
+      get("shared_expert.down_proj", (h, m)),
     )
     shared_gate = get("shared_expert_gate", (1, h))
-  return MoEParams(
-    router=router, gate=cast(gate), up=cast(up), down=cast(down), shared=shared, shared_gate=shared_gate
-  )
+  return MoEParams(router=router, gate=cast(gate), up=cast(up), down=cast(down), shared=shared, shared_gate=shared_gate)
 
 
 def load_pretrained(path: str | pathlib.Path, dtype=np.float32) -> tuple[ModelConfig, Params]:
@@ -552,7 +558,7 @@ def load_pretrained(path: str | pathlib.Path, dtype=np.float32) -> tuple[ModelCo
         f"{path}: tensor {visual[0]!r} (and {len(visual) - 1} more) belong to a vision tower; this loader reads "
         f"the text model only. Remove the vision tensors (model.visual.*) to load the language model."
       )
-    ignored = lambda n: n.endswith(_IGNORED_SUFFIXES) or n.startswith(_IGNORED_PREFIXES)
+    ignored = lambda n: n.endswith(_IGNORED_SUFFIXES) or (arch == QWEN3_5_MOE and n.startswith(_IGNORED_PREFIXES))
     unexpected = sorted(n for n in r.unused if not ignored(n))
     if unexpected:
       raise HFCheckpointError(

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from trace_jax import attention, fp4, moe, qat
+from trace_jax import attention, deltanet, fp4, moe, qat
 from trace_jax.config import (
   KEY,
   MOE_HIDDEN,
@@ -42,6 +42,7 @@ from trace_jax.config import (
   RolloutConfig,
   SamplingConfig,
 )
+from trace_jax.deltanet import DeltaNetParams, DeltaNetState
 from trace_jax.experience import RolloutResult, guidance_bytes_per_token
 from trace_jax.expert_parallel import ExpertParallel, experts
 from trace_jax.model import LayerParams, Params, policy_logits
@@ -102,9 +103,16 @@ def weight_sync(params: Params, quant: QuantConfig | None, dtype=jnp.bfloat16) -
   layers = []
   for layer in params.layers:
     a = layer.attn
-    # blocks along the contraction axis, as model.attention_block fake-quantizes them
-    axes = {"q": 0, "k": 0, "v": 0, "o": 1}
-    attn = dataclasses.replace(a, **{n: rtn.weight(getattr(a, n), "attention", axis) for n, axis in axes.items()})
+    if isinstance(a, DeltaNetParams):  # blocks along the contraction axis, as model.linear_attention_block
+      axes = {"q": 0, "k": 0, "v": 0, "z": 0, "b": 0, "a": 0, "out": 1}
+      attn = dataclasses.replace(a, **{n: rtn.weight(getattr(a, n), "linear_attention", ax) for n, ax in axes.items()})
+      # the decay's parameters stay fp32, as engines keep them (g = -exp(A_log) softplus(a + dt_bias))
+      attn = dataclasses.replace(
+        cast(attn), a_log=attn.a_log.astype(jnp.float32), dt_bias=attn.dt_bias.astype(jnp.float32)
+      )
+    else:  # blocks along the contraction axis, as model.attention_block fake-quantizes them
+      axes = {"q": 0, "k": 0, "v": 0, "o": 1} | ({"gate": 0} if a.gate is not None else {})
+      attn = cast(dataclasses.replace(a, **{n: rtn.weight(getattr(a, n), "attention", ax) for n, ax in axes.items()}))
     if isinstance(layer.mlp, MoEParams):
       m = layer.mlp
       shared = None if m.shared is None else mlp(m.shared, "shared_expert")
@@ -113,7 +121,7 @@ def weight_sync(params: Params, quant: QuantConfig | None, dtype=jnp.bfloat16) -
       engine_mlp = EngineMoE(cast(m.router), *expert_weights, shared, shared_gate)
     else:
       engine_mlp = mlp(layer.mlp, "dense_mlp")
-    layers.append(LayerParams(cast(layer.input_norm), cast(attn), cast(layer.post_attn_norm), engine_mlp))
+    layers.append(LayerParams(cast(layer.input_norm), attn, cast(layer.post_attn_norm), engine_mlp))
   lm_head = params.embed.T if params.lm_head is None else params.lm_head
   return EngineParams(cast(params.embed), tuple(layers), cast(params.final_norm), cast(lm_head))
 
@@ -191,10 +199,17 @@ class KVCache:
 
 def init_cache(
   config: ModelConfig, batch: int, length: int, quant: QuantConfig | None, dtype, decoded: bool = True
-) -> tuple[KVCache, ...]:
-  """Empty caches for every layer. dtype: the engine's compute dtype; the values are held in its
-  carrier (`carrier_dtype`). decoded=False keeps an FP4 cache packed only (attention decodes it at
-  every step)."""
+) -> tuple[KVCache | DeltaNetState, ...]:
+  """Empty caches for every layer: a KVCache for full attention, a DeltaNetState (conv history and
+  fp32 recurrent state) for a Gated DeltaNet layer. dtype: the engine's compute dtype; the K/V values
+  are held in its carrier (`carrier_dtype`). decoded=False keeps an FP4 cache packed only (attention
+  decodes it at every step)."""
+  caches = _kv_caches(config, batch, length, quant, dtype, decoded)
+  state = deltanet.init_state(config, batch, dtype) if config.linear_layers else None
+  return tuple(state if i in config.linear_layers else cache for i, cache in enumerate(caches))
+
+
+def _kv_caches(config: ModelConfig, batch: int, length: int, quant: QuantConfig | None, dtype, decoded: bool):
   dtype = carrier_dtype(dtype)
   values = jnp.zeros((batch, config.num_kv_heads, length, config.head_dim), dtype)
   if quant is None or not quant.quantizes("kv"):
@@ -336,8 +351,9 @@ def _attention(p, x, cache: KVCache, start, positions, slot_mask, st: EngineSett
   k = jnp.einsum("bsh,hnd->bsnd", xa, p.k, preferred_element_type=jnp.float32).astype(dt)
   v = jnp.einsum("bsh,hnd->bsnd", xa, p.v, preferred_element_type=jnp.float32).astype(dt)
   if p.q_norm is not None:
-    q, k = attention.rms_norm(q, p.q_norm, c.rms_norm_eps), attention.rms_norm(k, p.k_norm, c.rms_norm_eps)
-  cos, sin = attention.rope_tables(positions, c.head_dim, c.rope_theta, dtype=dt)
+    norm = lambda a, w: attention.rms_norm(a, w, c.rms_norm_eps, offset=c.norm_offset)
+    q, k = norm(q, p.q_norm), norm(k, p.k_norm)
+  cos, sin = attention.rope_tables(positions, c.rotary_dim, c.rope_theta, dtype=dt)
   q, k = attention.apply_rope(q, cos, sin), attention.apply_rope(k, cos, sin)
   cache, keys, values = _cache_update(cache, k, v, start, st)  # keys, values [B, KV, T, D]
   t = keys.shape[2]
@@ -352,7 +368,11 @@ def _attention(p, x, cache: KVCache, start, positions, slot_mask, st: EngineSett
   probs = _carry(jax.nn.softmax(scores, axis=-1).astype(dt), values.dtype)
   out = jnp.einsum("bkqt,bktd->bkqd", probs, values, preferred_element_type=jnp.float32).astype(dt)
   out = out.reshape(b, c.num_kv_heads, groups, s, c.head_dim).transpose(0, 3, 1, 2, 4)
-  out, _ = _act(out.reshape(b, s, c.num_heads, c.head_dim), quant, "attention")
+  out = out.reshape(b, s, c.num_heads, c.head_dim)
+  if p.gate is not None:  # gated attention (Qwen3.5)
+    gate = jnp.einsum("bsh,hnd->bsnd", xa, p.gate, preferred_element_type=jnp.float32).astype(dt)
+    out = out * jax.nn.sigmoid(gate)
+  out, _ = _act(out, quant, "attention")
   return jnp.einsum("bsnd,ndh->bsh", out, p.o, preferred_element_type=jnp.float32).astype(dt), cache
 
 
@@ -423,12 +443,19 @@ def _forward(params: EngineParams, tokens, caches, start, positions, slot_mask, 
   c = st.model
   x = params.embed[tokens]  # residual stream in the engine dtype (bf16)
   new_caches, topk, records = [], [], []
+  norm = lambda a, w: attention.rms_norm(a, w, c.rms_norm_eps, offset=c.norm_offset)  # fp32 inside, dtype out
   for i, layer in enumerate(params.layers):
-    h = attention.rms_norm(x, layer.input_norm, c.rms_norm_eps)  # fp32 inside, engine dtype out
-    attn_out, cache = _attention(layer.attn, h, caches[i], start, positions, slot_mask, st)
+    h = norm(x, layer.input_norm)
+    if isinstance(layer.attn, DeltaNetParams):  # Gated DeltaNet: prefill chunked, decode recurrent
+      pads = jax.lax.dynamic_slice_in_dim(slot_mask, start, s, axis=1)
+      act = lambda a: _act(a, st.quant, "linear_attention")[0]
+      attn_out, cache = deltanet.mix(layer.attn, h, c, mask=pads, state=caches[i], dtype=st.dtype, act=act)
+      attn_out = attn_out.astype(st.dtype)
+    else:
+      attn_out, cache = _attention(layer.attn, h, caches[i], start, positions, slot_mask, st)
     new_caches.append(cache)
     x = x + attn_out
-    h = attention.rms_norm(x, layer.post_attn_norm, c.rms_norm_eps)
+    h = norm(x, layer.post_attn_norm)
     if isinstance(layer.mlp, EngineMoE):
       out, ids, rec = _moe(layer.mlp, h.reshape(b * s, -1), st, st.records(i))
       topk.append(ids.reshape(b, s, -1))
@@ -440,7 +467,7 @@ def _forward(params: EngineParams, tokens, caches, start, positions, slot_mask, 
       x = x + _mlp(layer.mlp, h, st.quant, "dense_mlp")
       topk.append(None)
       records.append({})
-  last = attention.rms_norm(x[:, -1], params.final_norm, c.rms_norm_eps)
+  last = norm(x[:, -1], params.final_norm)
   logits = jnp.dot(last, params.lm_head, preferred_element_type=jnp.float32)
   return logits, tuple(new_caches), tuple(topk), tuple(records)
 
@@ -519,7 +546,8 @@ def _finish_guidance(st: EngineSettings, buffers, caches):
   quant, guidance, codes = st.quant, [], []
   for i in range(st.model.num_layers):
     tensors = dict(buffers[i])
-    if quant is not None and quant.quantizes("kv") and (st.rollout.record_codes or i in st.rollout.guided_layers):
+    kv = isinstance(caches[i], KVCache) and quant is not None and quant.quantizes("kv")
+    if kv and (st.rollout.record_codes or i in st.rollout.guided_layers):
       tensors.update({KEY: caches[i].k, VALUE: caches[i].v})
     guided = {n: q for n, q in tensors.items() if n in st.rollout.guided_tensors and i in st.rollout.guided_layers}
     guidance.append({n: guidance_from_quantized(q, st.rollout.guidance_form) for n, q in guided.items()})

@@ -302,6 +302,7 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
   batcher = data.PromptBatcher(
     train_source, tokenizer, run.job.batch_prompts, run.data.max_prompt_len, seed=run.job.seed
   )
+
   def reward_fn(answers, responses):  # total: an undecodable response scores 0 and is counted
     return data.batch_rewards(answers, responses, tokenizer, run.reward), data.invalid_responses(responses, tokenizer)
 

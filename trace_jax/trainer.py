@@ -46,7 +46,9 @@ def qat_context(run: RunConfig) -> qat.QatContext:
   """The trainer's fake-quant for the run's mode, in the run's trainer dtype."""
   mode = run.mode
   rollout = mode.rollout
-  return qat.QatContext(mode.trainer_quant, mode.guided, run.trainer_dtype, rollout.guided_layers, rollout.guided_tensors)
+  return qat.QatContext(
+    mode.trainer_quant, mode.guided, run.trainer_dtype, rollout.guided_layers, rollout.guided_tensors
+  )
 
 
 def _apply(state: TrainState, grads, loss, optimizer) -> tuple[TrainState, jax.Array, jax.Array]:
