@@ -28,6 +28,7 @@ _MODES = flags.DEFINE_list("modes", list(MODES), "Modes to compare.")
 _STEPS = flags.DEFINE_integer("steps", None, "RL steps per run (default: the config's).")
 _EVAL_PROMPTS = flags.DEFINE_integer("eval_prompts", 512, "Test prompts for the final greedy accuracy.")
 _PROCESSES = flags.DEFINE_bool("processes", False, "Run each mode in its own process.")
+_MODEL = flags.DEFINE_string("model", "tiny", "A preset of configs/models.py (e.g. tiny_hybrid: the Qwen3.5 hybrid).")
 
 # The metrics of the comparison (sweep.extract keys), in table order, with their column headers.
 HEADERS = {
@@ -104,7 +105,7 @@ def final_policy_table(rows: list[dict]) -> str:
 
 def main(argv):
   del argv
-  base = default.get_config()
+  base = default.get_config(f"trace,model={_MODEL.value}")
   if _STEPS.value is not None:
     base.steps = _STEPS.value
   base.eval_prompts = _EVAL_PROMPTS.value

@@ -274,6 +274,44 @@ def test_mode_runs_an_rl_step(mode, data_dir, tmp_path, no_eval):
     assert all(0 <= row[k] <= 1 for k in SPEC_KEYS if k.startswith("agreement/"))
 
 
+@pytest.mark.slow
+def test_the_qwen3_5_hybrid_trains_with_the_same_metrics(reference, data_dir, tmp_path, no_eval):
+  """The Qwen3.5 hybrid preset (here 2 layers: Gated DeltaNet, then gated full attention) runs the RL loop
+  end to end and writes every metric the Qwen3-MoE reference run writes."""
+  hybrid = {k: v for k, v in TINY.items() if not k.startswith("model.")}
+  hybrid.update(
+    {
+      "model.hidden_size": 32,
+      "model.num_layers": 2,
+      "model.layer_types": ["linear_attention", "full_attention"],
+      "model.num_heads": 2,
+      "model.num_kv_heads": 1,
+      "model.head_dim": 16,
+      "model.num_experts": 4,
+      "model.moe_intermediate_size": 16,
+      "model.shared_expert_intermediate_size": 16,
+      "model.linear_num_key_heads": 1,
+      "model.linear_num_value_heads": 2,
+      "model.linear_key_head_dim": 16,
+      "model.linear_value_head_dim": 16,
+      "data.data_dir": data_dir,
+      "steps": 1,
+      "sft.steps": 0,
+    }
+  )
+  cfg = sweep.configure(default.get_config("trace,model=tiny_hybrid"), hybrid)
+  summary = train.train_and_evaluate(cfg, str(tmp_path))
+  (row,) = read_metrics(str(tmp_path))
+  reference_row = read_metrics(reference[0])[0]
+  assert summary["steps"] == 1 and row["finite"] is True
+  assert math.isfinite(row["loss/total"]) and 0 < row["guidance/bytes_per_token"]
+  untimed = lambda r: {k for k in r if not k.startswith("time/")}
+  # the same metrics, except K/V ones of layer 0: a DeltaNet layer has a recurrent state, not an FP4 KV cache
+  missing = untimed(reference_row) - untimed(row)
+  assert missing and all(re.search(r"/(key|value)/layer0$", k) for k in missing), sorted(missing)
+  assert untimed(row) <= untimed(reference_row)
+
+
 def traced_rl_step(cfg):
   """(params, (state, logp, metrics)) of the whole RL step (weight sync, FP4 rollout, trainer batch, GRPO update) as
   jax.eval_shape traces it: shapes and metric keys without a compilation."""
@@ -330,7 +368,10 @@ def one_rl_step(data_dir):
     topology = cluster.Topology.single_device()
     optimizer = trainer.make_optimizer(run.optim, run.job.steps)
     state = trainer.init_state(run.model, optimizer, jax.random.key(0), topology.trainer)
-    rewards = lambda answers, responses: ((np.arange(len(answers)) % 2).astype(np.float32), np.zeros(len(answers), bool))
+    rewards = lambda answers, responses: (
+      (np.arange(len(answers)) % 2).astype(np.float32),
+      np.zeros(len(answers), bool),
+    )
     rl_step = train.RLStep.build(run, topology, optimizer, rewards, jax.random.key(1))
     prompts = train.data.PromptBatcher(source, tokenizer, run.job.batch_prompts, run.data.max_prompt_len).batch_at(0)
     _, metrics = rl_step(0, state, prompts)
