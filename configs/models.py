@@ -95,7 +95,7 @@ def tiny_hybrid() -> ml_collections.ConfigDict:
     vocab_size=64,
     hidden_size=64,
     num_layers=4,
-    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    full_attention_interval=4,  # layers 0-2 Gated DeltaNet, layer 3 full attention
     num_heads=4,
     num_kv_heads=2,
     head_dim=32,
@@ -122,7 +122,7 @@ def qwen3_5_35b_a3b() -> ml_collections.ConfigDict:
     vocab_size=248320,
     hidden_size=2048,
     num_layers=40,
-    layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(40)],
+    full_attention_interval=4,  # 30 Gated DeltaNet layers, full attention at 3, 7, ..., 39
     num_heads=16,
     num_kv_heads=2,
     head_dim=256,

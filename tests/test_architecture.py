@@ -52,6 +52,7 @@ LAYERS = (
   "qat",
   "expert_parallel",
   "attention",
+  "deltanet",
   "moe",
   "model",
   "experience",

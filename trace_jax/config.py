@@ -73,8 +73,10 @@ class ModelConfig:
   max_position_embeddings: int = 32768
   initializer_range: float = 0.02
   # Qwen3.5-MoE. layer_types: one entry per layer, 'full_attention' or 'linear_attention' (Gated
-  # DeltaNet); () = every layer full attention.
+  # DeltaNet). () = the pattern of full_attention_interval: every n-th layer full attention, the
+  # others linear (Qwen3.5: 4; 0 = every layer full attention), so that num_layers can be overridden.
   layer_types: tuple[str, ...] = ()
+  full_attention_interval: int = 0
   attention_output_gate: bool = False  # q_proj also emits a per-head gate: attn * sigmoid(gate)
   partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims of each head
   zero_centered_norm: bool = False  # RMSNorm weights w apply as (1 + w), initialised at 0
@@ -125,6 +127,8 @@ class ModelConfig:
       unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
       if unknown:
         _fail("model.layer_types", f"unknown layer types {unknown}; expected entries of {LAYER_TYPES}.")
+    if self.full_attention_interval < 0:
+      _fail("model.full_attention_interval", f"must be >= 0 (0: no linear layers), got {self.full_attention_interval}.")
     if self.linear_layers:
       for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"):
         if getattr(self, name) <= 0:
@@ -156,7 +160,11 @@ class ModelConfig:
     return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
   def layer_type(self, layer: int) -> str:
-    return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
+    if self.layer_types:
+      return self.layer_types[layer]
+    if self.full_attention_interval and (layer + 1) % self.full_attention_interval:
+      return LINEAR_ATTENTION
+    return FULL_ATTENTION
 
   @property
   def linear_layers(self) -> tuple[int, ...]:
