@@ -698,3 +698,39 @@ def test_fp4_hybrid_guided_trainer_reproduces_rollout_codes(fp4_hybrid):
     m_g / total_g >= 0.995 and m_rtn < m_g
   )  # measured 0.998 (bf16 engine and trainer drift more in DeltaNet layers)
   assert d_guided < d_rtn
+
+
+def test_linear_attention_quant_target_rounds_deltanet_projections_like_the_trainer():
+  """BF16 by default (the paper's choice); quant target 'linear_attention' makes the DeltaNet projections W4A4,
+  the engine's synced weights equal to the trainer's fake-quantized ones."""
+  from configs import models
+  from trace_jax import rollout
+  from trace_jax.config import QuantConfig, RolloutConfig, SamplingConfig, model_config
+
+  config = model_config(models.tiny_hybrid())
+  params = model.init_params(config, jax.random.key(0))
+  quant = QuantConfig(targets=("experts", "kv", "linear_attention"))
+  quant.check_dims(config)
+  default_engine = rollout.weight_sync(params, QuantConfig())
+  engine = rollout.weight_sync(params, quant)
+  ctx = qat.QatContext(quant)
+  p, e, d = params.layers[0].attn, engine.layers[0].attn, default_engine.layers[0].attn
+  for name, axis in (("q", 0), ("z", 0), ("b", 0), ("out", 1)):
+    np.testing.assert_array_equal(
+      np.asarray(getattr(e, name)),
+      np.asarray(ctx.weight(getattr(p, name), "linear_attention", axis).astype(jnp.bfloat16)),
+    )
+    np.testing.assert_array_equal(np.asarray(getattr(d, name)), np.asarray(getattr(p, name).astype(jnp.bfloat16)))
+  assert e.a_log.dtype == jnp.float32  # the decay's parameters stay fp32 in the engine
+  prompts = jnp.ones((2, 4), jnp.int32) * 5
+  result = rollout.generate(
+    engine,
+    prompts,
+    jnp.ones_like(prompts),
+    jax.random.key(0),
+    model_config=config,
+    rollout_config=RolloutConfig(quant=quant),
+    sampling=SamplingConfig(max_new_tokens=4),
+  )
+  logits, _ = model.forward(params, result.tokens, result.mask, config, ctx=ctx)
+  assert np.isfinite(np.asarray(logits)).all()
