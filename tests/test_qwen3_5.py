@@ -14,16 +14,16 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import dataclasses
 import functools
 import json
-import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
+from tests.test_hf import edited_copy, hf_logits  # the same helpers as for Qwen3-MoE / Mixtral
 from trace_jax import deltanet, hf, model, qat
 from trace_jax.config import ModelConfig
 
@@ -228,15 +228,6 @@ def our_logits(params, tokens, mask, config):
   return model.forward(params, tokens, mask, config, ctx=FP32)[0]
 
 
-def hf_logits(hf_model, tokens, mask):
-  positions = np.maximum(np.cumsum(mask, -1) - 1, 0)  # as ours: attention.positions_from_mask
-  with torch.no_grad():
-    out = hf_model(
-      input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask), position_ids=torch.tensor(positions)
-    )
-  return out.logits.numpy()
-
-
 def build_hf_model(name: str):
   config = Qwen3_5MoeTextConfig(**COMMON, **CASES[name][0], attn_implementation="eager")
   torch.manual_seed(sorted(CASES).index(name))
@@ -412,20 +403,6 @@ def test_mtp_tensors_are_dropped(ckpt, tmp_path):
 
 
 # --- errors -------------------------------------------------------------------------------------
-
-
-def edited_copy(src, dst, *, config=None, tensors=None):
-  """A copy of checkpoint `src` with config.json and/or the tensor dict edited."""
-  shutil.copytree(src, dst)
-  if config is not None:
-    data = json.loads((dst / "config.json").read_text())
-    config(data)
-    (dst / "config.json").write_text(json.dumps(data))
-  if tensors is not None:
-    data = load_file(dst / "model.safetensors")
-    tensors(data)
-    save_file(data, dst / "model.safetensors", metadata={"format": "pt"})
-  return dst
 
 
 VISUAL = "model.visual.blocks.0.attn.qkv.weight"
