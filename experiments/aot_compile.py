@@ -1,4 +1,4 @@
-"""Ahead-of-time compile of a Qwen3-30B-A3B-shaped train step and decode step on a device mesh.
+"""Ahead-of-time compile of a Qwen3-30B-A3B- or Qwen3.5-35B-A3B-shaped train step and decode step on a device mesh.
 
 Nothing is allocated: inputs are jax.ShapeDtypeStructs carrying their NamedShardings, and
 `jax.jit(...).lower(...).compile()` reports the compiled per-device memory
@@ -9,9 +9,13 @@ are XLA:CPU's for the SPMD-partitioned per-device program.
 
   python experiments/aot_compile.py --devices=64 --trainer=fsdp=8,expert=8 --rollout=data=8,expert=8 \\
       --layers=2,4 --batch=64 --seq=1024 --decode_batch=64 --cache=2048
+  python experiments/aot_compile.py --model=qwen3_5_35b_a3b --layers=4,8 ...
 
 With several --layers values the figures are fitted as a + b * layers and extrapolated to the
-model's depth (the layers are identical, unrolled: per-layer cost is additive).
+model's depth (the layers are identical, unrolled: per-layer cost is additive). The Qwen3.5 hybrid
+repeats a block of 4 layers (3 Gated DeltaNet, 1 gated full attention), so its depths must be
+multiples of 4: the scaled model keeps the pattern and the fit is per block. The guidance bytes
+per token are printed for the full depth, for each setting of GUIDANCE_SETTINGS.
 """
 
 from __future__ import annotations
@@ -27,12 +31,22 @@ def _parse_mesh(text: str) -> dict[str, int]:
   return {k: int(v) for k, v in (item.split("=") for item in text.split(",") if item)}
 
 
+MODELS = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "qwen3_5_35b_a3b": "Qwen3.5-35B-A3B"}  # configs/models.py presets
+DEFAULT_LAYERS = {"qwen3_30b_a3b": "2,4", "qwen3_5_35b_a3b": "4,8"}
+
+
 def _args(argv):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", default="qwen3_30b_a3b", choices=sorted(MODELS), help="the preset (configs/models.py)")
   p.add_argument("--devices", type=int, default=64, help="simulated CPU devices")
   p.add_argument("--trainer", default="fsdp=8,expert=8", help="trainer mesh, axis=size,...")
   p.add_argument("--rollout", default="data=8,expert=8", help="rollout engine mesh")
-  p.add_argument("--layers", default="2,4", help="comma-separated depths to compile (48 = the full model)")
+  p.add_argument(
+    "--layers",
+    default="",
+    help="comma-separated depths to compile (default: 2,4 for Qwen3-30B-A3B, 48 = the full model; "
+    "4,8 for Qwen3.5-35B-A3B, multiples of 4, 40 = the full model)",
+  )
   p.add_argument("--batch", type=int, default=64, help="train sequences per step")
   p.add_argument("--seq", type=int, default=1024, help="train sequence length (prompt + response)")
   p.add_argument("--decode_batch", type=int, default=64, help="sequences decoded together")
@@ -57,20 +71,43 @@ from trace_jax import experience, model, rollout, sharding, trainer  # noqa: E40
 from trace_jax.config import (  # noqa: E402
   GUIDED_TENSORS,
   KEY,
+  LINEAR_ATTENTION,
   MOE_HIDDEN,
   MOE_INPUT,
   VALUE,
   ModelConfig,
   RunConfig,
+  TraceConfig,
   model_config,
 )
 from trace_jax.expert_parallel import ExpertParallel  # noqa: E402
 
 
-def scaled_config(num_layers: int | None = None) -> ModelConfig:
-  """Qwen3-30B-A3B (configs/models.py), optionally with fewer (identical) layers."""
-  c = model_config(models.qwen3_30b_a3b())
-  return c if num_layers is None else dataclasses.replace(c, num_layers=num_layers)
+def scaled_config(num_layers: int | None = None, preset: str = "qwen3_30b_a3b") -> ModelConfig:
+  """A configs/models.py preset (Qwen3-30B-A3B or Qwen3.5-35B-A3B), optionally with fewer layers.
+
+  Qwen3-30B-A3B's layers are identical, so any depth works. The hybrid repeats a block of
+  `full_attention_interval` layers (Qwen3.5: 3 Gated DeltaNet, then 1 full attention), so its depth
+  must be a multiple of that block; layer_types are built for the scaled depth, keeping the 3:1 ratio.
+  """
+  if preset not in MODELS:
+    raise ValueError(f"Unknown model {preset!r}; expected one of {sorted(MODELS)}.")
+  c = model_config(models.get_config(preset))
+  if num_layers is None or num_layers == c.num_layers:
+    return c
+  if not c.linear_layers:
+    return dataclasses.replace(c, num_layers=num_layers)
+  types = tuple(c.layer_type(i) for i in range(c.num_layers))
+  period = c.full_attention_interval or (c.attention_layers[0] + 1 if c.attention_layers else 0)
+  if not period or c.num_layers % period or any(t != types[i % period] for i, t in enumerate(types)):
+    raise ValueError(f"{MODELS[preset]}'s layer types do not repeat a fixed block; its depth cannot be scaled.")
+  if num_layers <= 0 or num_layers % period:
+    linear = sum(t == LINEAR_ATTENTION for t in types[:period])
+    raise ValueError(
+      f"{MODELS[preset]} repeats a block of {period} layers ({linear} Gated DeltaNet, {period - linear} full "
+      f"attention): --layers must be multiples of {period} to keep that pattern, got {num_layers}."
+    )
+  return dataclasses.replace(c, num_layers=num_layers, layer_types=tuple(types[i % period] for i in range(num_layers)))
 
 
 def _with_shardings(abstract, shardings):
@@ -215,7 +252,11 @@ def compile_decode_step(run: RunConfig, mesh, ep: ExpertParallel | None, batch: 
   compiled = jitted.lower(engine, column, caches, start, column, slot_mask).compile()
   out = _report(compiled, time.perf_counter() - t0)
   out["engine_params_gib_total"] = round(sharding.tree_nbytes(engine) / 2**30, 3)
-  out["kv_cache_gib_total"] = round(sharding.tree_nbytes(caches) / 2**30, 3)
+  kv = [c for i, c in enumerate(caches) if i not in config.linear_layers]
+  out["kv_cache_gib_total"] = round(sharding.tree_nbytes(kv) / 2**30, 3)
+  if config.linear_layers:  # the Gated DeltaNet layers' conv history and fp32 recurrent state
+    states = [caches[i] for i in config.linear_layers]
+    out["deltanet_state_gib_total"] = round(sharding.tree_nbytes(states) / 2**30, 3)
   return out
 
 
@@ -266,11 +307,18 @@ def extrapolate(reports: list[dict], num_layers: int) -> dict:
 
 
 def main(args) -> dict:
-  full = scaled_config()
+  name = MODELS[args.model]
+  full = scaled_config(preset=args.model)
+  depths = [int(x) for x in (args.layers or DEFAULT_LAYERS[args.model]).split(",")]
+  for layers in depths:  # fail on a bad depth before compiling anything
+    try:
+      scaled_config(layers, args.model)
+    except ValueError as e:
+      raise SystemExit(f"experiments/aot_compile.py: {e}") from None
   reports = []
-  for layers in (int(x) for x in args.layers.split(",")):
+  for layers in depths:
     report = compile_all(
-      scaled_config(layers),
+      scaled_config(layers, args.model),
       _parse_mesh(args.trainer),
       _parse_mesh(args.rollout),
       batch=args.batch,
@@ -282,11 +330,14 @@ def main(args) -> dict:
     report.pop("config")
     print(json.dumps(report), flush=True)
     reports.append(report)
-  summary = {"model": "Qwen3-30B-A3B", "full_layers": full.num_layers, "compiled": reports}
+  summary = {"model": name, "full_layers": full.num_layers, "compiled": reports}
   summary["guidance_bytes_per_token"] = guidance_bytes(full)
-  print("guidance bytes per token (Qwen3-30B-A3B, mantissa + scale in the deeper half unless noted):")
-  for name, row in summary["guidance_bytes_per_token"].items():
-    print(f"  {name:48s} {row['total']:>7,d} B  " + ", ".join(f"{k} {v:,d}" for k, v in row.items() if k != "total"))
+  print(f"guidance bytes per token ({name}, mantissa + scale in the deeper half unless noted):")
+  default = ("trace", TraceConfig().tensors)
+  for setting, row in summary["guidance_bytes_per_token"].items():
+    mode, trace = GUIDANCE_SETTINGS[setting]
+    label = setting + (" (default)" if (mode, tuple(trace.get("tensors", ()))) == default else "")
+    print(f"  {label:58s} {row['total']:>7,d} B  " + ", ".join(f"{k} {v:,d}" for k, v in row.items() if k != "total"))
   if len(reports) > 1 and all(r["num_layers"] != full.num_layers for r in reports):
     summary[f"extrapolated_to_{full.num_layers}_layers"] = extrapolate(reports, full.num_layers)
   print(json.dumps(summary, indent=2))

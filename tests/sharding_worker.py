@@ -1,8 +1,10 @@
-"""8 simulated CPU devices: sharded train step, rollout, EP MoE and checkpoints against one device.
+"""8 simulated CPU devices: sharded train step, rollout (Qwen3-MoE and the Qwen3.5 hybrid), EP MoE and
+checkpoints against one device.
 
 Run by tests/test_sharding.py in a subprocess (XLA_FLAGS must be set before jax is imported,
 and pytest imports jax earlier in its own process). Prints one JSON object of measurements;
-the assertions live in the test. `python tests/sharding_worker.py` runs it by hand.
+the assertions live in the test. `python tests/sharding_worker.py [check ...]` runs it by hand
+(every check by default; the test runs `hybrid` in a process of its own, see FAST_COMPILE there).
 """
 
 import os
@@ -19,21 +21,37 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tests.tiny import tiny_model  # noqa: E402  (the test runs this with the repo root on PYTHONPATH)
+from configs import models  # noqa: E402  (the test runs this with the repo root on PYTHONPATH)
+from tests.tiny import tiny_model  # noqa: E402
 from trace_jax import checkpoint, cluster, data, model, moe, qat, sharding, train, trainer  # noqa: E402
 from trace_jax import config as config_lib  # noqa: E402
-from trace_jax.config import ModelConfig, OptimConfig, QuantConfig, RunConfig  # noqa: E402
+from trace_jax.config import (  # noqa: E402
+  FULL_ATTENTION,
+  LINEAR_ATTENTION,
+  ModelConfig,
+  OptimConfig,
+  QuantConfig,
+  RunConfig,
+)
 from trace_jax.expert_parallel import ExpertParallel  # noqa: E402
 
 CFG: ModelConfig = tiny_model(initializer_range=0.1)
+# The tiny Qwen3.5 hybrid cut to one Gated DeltaNet layer and one gated full-attention layer (vocab 64):
+# every new weight, the DeltaNet state beside an FP4 KV cache, in half the compile time of 4 layers.
+HYBRID: ModelConfig = dataclasses.replace(
+  config_lib.model_config(models.tiny_hybrid()),
+  num_layers=2,
+  layer_types=(LINEAR_ATTENTION, FULL_ATTENTION),
+  initializer_range=0.1,
+)
 B, P, NEW, G = 16, 6, 6, 4  # 16 sequences = 4 prompts x 4 samples
 
 
-def run_config(mode: str) -> RunConfig:
+def run_config(mode: str, model_config: ModelConfig = CFG) -> RunConfig:
   """The trainer in fp32 (bf16 matmuls reorder under sharding; fp32 makes the comparison tight)."""
   cfg = config_lib.defaults()
   cfg.update(mode=mode, trainer_dtype="float32")
-  cfg.model = config_lib.to_config_dict(CFG)
+  cfg.model = config_lib.to_config_dict(model_config)
   cfg.rollout.max_new_tokens = NEW
   cfg.rl.num_generations = G
   cfg.rl.normalize_std = False
@@ -84,6 +102,7 @@ def pipeline(run: RunConfig, topology: cluster.Topology, steps: int = 2):
   out["params"] = sharding.to_host(state.params)
   out["state"] = state
   engine, _ = rl_step.sync(state.params)
+  out["engine"] = engine
   out["engine_sharding"] = str(jax.tree_util.tree_leaves(engine)[-3].sharding.spec)
   return out
 
@@ -120,6 +139,40 @@ def check_rl(results: dict) -> None:
     bytes=res["bytes"],
     single_bytes=single["bytes"],
     engine_expert_spec=res["engine_sharding"],
+  )
+
+
+def check_hybrid(results: dict) -> None:
+  """Two RL steps of the tiny hybrid on one device against tensor-parallel layouts: the engine on devices
+  0-3 (expert 2 x tensor 2, EP), the trainer on devices 4-7 (fsdp 2 x tensor 2, the sorted MoE), so
+  that the Gated DeltaNet weights split their 'heads' over 'tensor' on both meshes (the engine's recurrent
+  state follows by propagation inside generate)."""
+  run = run_config("trace", HYBRID)
+  single = pipeline(run, cluster.Topology.single_device())
+  trainer_mesh, rollout_mesh = sharding.make_meshes(
+    {"fsdp": 2, "tensor": 2}, {"expert": 2, "tensor": 2}, rollout_devices=4
+  )
+  topology = cluster.Topology(trainer_mesh, rollout_mesh, None, ExpertParallel(rollout_mesh, capacity_factor=1.0))
+  res = pipeline(run, topology)
+  linear, full = res["state"].params.layers[0].attn, res["engine"].layers[1].attn
+  spec = lambda x: str(x.sharding.spec)
+  results["hybrid"] = dict(
+    tokens_equal=all(np.array_equal(a, b) for a, b in zip(single["tokens"], res["tokens"])),
+    logprob_diff=max_diff(single["logprobs"], res["logprobs"]),
+    metric_diff=metric_diff(single["metrics"], res["metrics"]),
+    param_diff=max_diff(single["params"], res["params"]),
+    grad_norm=[m["grad_norm"] for m in res["metrics"]],
+    agreement={k: v for k, v in res["metrics"][0].items() if k.startswith("agreement/")},
+    bytes=res["bytes"],
+    trainer_specs=dict(
+      q=spec(linear.q), v=spec(linear.v), conv_v=spec(linear.conv_v), a_log=spec(linear.a_log), out=spec(linear.out)
+    ),
+    engine_specs=dict(
+      v=spec(res["engine"].layers[0].attn.v),
+      gate=spec(full.gate),
+      k=spec(full.k),
+      experts=spec(res["engine"].layers[0].mlp.gate.codes),
+    ),
   )
 
 
@@ -231,7 +284,7 @@ def check_aot(results: dict) -> None:
   results["aot"] = dict(seconds=time.perf_counter() - t0, **{k: v for k, v in report.items() if k != "config"})
 
 
-CHECKS = {"rl": check_rl, "ep": check_ep, "checkpoint": check_checkpoint, "aot": check_aot}
+CHECKS = {"rl": check_rl, "hybrid": check_hybrid, "ep": check_ep, "checkpoint": check_checkpoint, "aot": check_aot}
 
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()

@@ -2,14 +2,15 @@
 
 The multi-device checks need `--xla_force_host_platform_device_count` before jax is imported,
 and pytest has imported jax already, so they run in subprocesses started once for the module
-(all at once, so they overlap): tests/sharding_worker.py on 8 simulated CPU devices, and
-tests/multiprocess_worker.py as one process with 2 devices and as two processes with 1 device
+(all at once, so they overlap): tests/sharding_worker.py on 8 simulated CPU devices (the Qwen3.5
+hybrid's check in a second such process), and tests/multiprocess_worker.py as one process with 2 devices and as two processes with 1 device
 each (jax.distributed, gloo). The rules themselves are checked here on abstract meshes.
 
 Tolerances: fp32 trainer and fp32 engine (bf16 reductions reorder under sharding), so the
 sharded rollout must give the same tokens and log-probs within 1e-5, the metrics of two RL
 steps within 1e-5 and the parameters after two AdamW steps within 1e-4 (measured: 1e-6,
-1e-6, 8e-6); expert parallelism with enough capacity is bitwise equal to the sorted MoE; the
+1e-6, 8e-6; for the 2-layer Qwen3.5 hybrid on fsdp x tensor / expert x tensor meshes: 2e-6,
+1e-6, 5e-8); expert parallelism with enough capacity is bitwise equal to the sorted MoE; the
 two-process run equals the one-process run exactly.
 """
 
@@ -50,9 +51,18 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start(args, log):
+# The hybrid check's own process: its tiny steps are all compile time, and LLVM at -O0 compiles them in
+# about 60% of the time (measured 47 s against 79 s); sharded and one-device programs are compiled alike,
+# so the layout comparison does not depend on it. The other checks keep the default (EP's bitwise
+# equality with the sorted MoE holds at the default level only).
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def _start(args, log, xla_flags: str = ""):
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
+  if xla_flags:
+    env["XLA_FLAGS"] = xla_flags
   return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -63,7 +73,8 @@ def subprocesses():
   logs, procs = {}, {}
   port = _free_port()
   jobs = {
-    "worker": ["tests/sharding_worker.py"],
+    "worker": ["tests/sharding_worker.py", "rl", "ep", "checkpoint", "aot"],
+    "hybrid": ["tests/sharding_worker.py", "hybrid"],
     "one": ["tests/multiprocess_worker.py", os.path.join(tmp.name, "one"), "2", "1", "0", "0"],
     "two/0": ["tests/multiprocess_worker.py", os.path.join(tmp.name, "two"), "1", "2", "0", str(port)],
     "two/1": ["tests/multiprocess_worker.py", os.path.join(tmp.name, "two"), "1", "2", "1", str(port)],
@@ -72,7 +83,7 @@ def subprocesses():
     os.makedirs(os.path.join(tmp.name, d))
   for name, args in jobs.items():
     logs[name] = open(os.path.join(tmp.name, name.replace("/", "_") + ".log"), "w+")  # noqa: SIM115
-    procs[name] = _start(args, logs[name])
+    procs[name] = _start(args, logs[name], FAST_COMPILE if name == "hybrid" else "")
 
   def wait(name, timeout=900):
     try:
@@ -94,12 +105,21 @@ def subprocesses():
   tmp.cleanup()
 
 
-@pytest.fixture(scope="module")
-def results(subprocesses):
+def _results(subprocesses, name: str) -> dict:
   wait, _ = subprocesses
-  text = wait("worker")
+  text = wait(name)
   line = next(line for line in text.splitlines() if line.startswith("RESULTS "))
   return json.loads(line[len("RESULTS ") :])
+
+
+@pytest.fixture(scope="module")
+def results(subprocesses):
+  return _results(subprocesses, "worker")
+
+
+@pytest.fixture(scope="module")
+def hybrid_results(subprocesses):
+  return _results(subprocesses, "hybrid")
 
 
 # --- the rules, on abstract meshes (no devices needed) -------------------------------------
@@ -144,6 +164,60 @@ def test_param_and_engine_axes_mirror_the_pytrees():
   assert csh[0].k.codes.spec == P("data", None, "tensor", None)
 
 
+def _check_specs(tree, shardings, mesh) -> None:
+  """Every leaf's spec is valid on `mesh`: one entry at most per dimension, each mesh axis used once,
+  and the product of a dimension's mesh axes divides it."""
+  sizes = dict(mesh.shape)
+  leaves, specs = jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(shardings)
+  assert len(leaves) == len(specs) > 0
+  for leaf, sh in zip(leaves, specs):
+    spec = sh.spec
+    assert len(spec) <= leaf.ndim, (leaf.shape, spec)
+    axes = [a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)]
+    assert len(axes) == len(set(axes)) and set(axes) <= set(sharding.MESH_AXES), (leaf.shape, spec)
+    for dim, entry in zip(leaf.shape, spec):
+      split = int(np.prod([sizes[a] for a in ((entry,) if isinstance(entry, str) else entry or ())]))
+      assert dim % split == 0, (leaf.shape, spec)
+
+
+@pytest.mark.parametrize("preset", ["tiny_hybrid", "qwen3_5_35b_a3b"])
+def test_hybrid_params_engine_params_and_caches_shard_by_the_rules(preset):
+  """The Qwen3.5 hybrid's trees (Gated DeltaNet weights, the engine's copy, DeltaNetState beside the
+  FP4 KV cache) get a valid spec for every leaf on a pod mesh; the new weights split 'heads' over tensor."""
+  c = model_config(models.get_config(preset))
+  linear, full = c.linear_layers[0], c.attention_layers[0]
+  mesh = abstract_mesh(data=2, fsdp=4, expert=8, tensor=2)
+  params = jax.eval_shape(lambda: model.init_params(c, jax.random.key(0)))
+  engine = jax.eval_shape(lambda p: rollout.weight_sync(p, QuantConfig()), params)
+  for other in (abstract_mesh(fsdp=2, expert=2, tensor=4), abstract_mesh(data=8, tensor=8)):  # uneven splits skip
+    for tree in (params, engine):
+      _check_specs(tree, sharding.logical_shardings(tree, other), other)
+  sh = sharding.logical_shardings(params, mesh)
+  assert jax.tree_util.tree_structure(sh) == jax.tree_util.tree_structure(params)
+  _check_specs(params, sh, mesh)
+  d = sh.layers[linear].attn  # DeltaNetParams: fsdp on the hidden size, tensor on the (key or value) heads
+  assert d.q.spec == d.v.spec == d.z.spec == P("fsdp", "tensor", None)
+  assert d.b.spec == d.a.spec == P("fsdp", "tensor")
+  assert d.conv_q.spec == d.conv_v.spec == P(None, "tensor", None)
+  assert d.a_log.spec == d.dt_bias.spec == P("tensor") and d.norm.spec == P(None)
+  assert d.out.spec == P("tensor", None, "fsdp")
+  assert sh.layers[full].attn.gate.spec == P("fsdp", "tensor", None)
+  assert sh.layers[full].mlp.shared.gate.spec == P("fsdp", "tensor")
+  esh = sharding.logical_shardings(engine, mesh)
+  assert jax.tree_util.tree_structure(esh) == jax.tree_util.tree_structure(engine)
+  _check_specs(engine, esh, mesh)
+  assert esh.layers[linear].attn.v.spec == P("fsdp", "tensor", None)
+  assert esh.layers[linear].mlp.gate.codes.spec == P("expert", "tensor", None)  # [E, I, H / 2]: packed axis whole
+  for decoded in (True, False):
+    caches = jax.eval_shape(lambda d=decoded: rollout.init_cache(c, 16, 64, QuantConfig(), jnp.bfloat16, d))
+    rollout_mesh = abstract_mesh(data=4, expert=2, tensor=2)
+    csh = sharding.logical_shardings(caches, rollout_mesh)
+    _check_specs(caches, csh, rollout_mesh)
+    assert csh[linear].recurrent.spec == P(("data", "expert"), "tensor", None, None)
+    assert csh[linear].conv.spec == P(("data", "expert"), None, None)
+    assert csh[full].k.codes.spec == P(("data", "expert"), None, "tensor", None)
+
+
 def test_topology_from_the_default_config_is_data_parallel():
   topology = cluster.Topology.from_config(RunConfig.from_config(default.get_config()).mesh)
   assert dict(topology.trainer.shape)["data"] == jax.device_count()
@@ -169,6 +243,29 @@ def test_initialize_distributed_is_a_no_op_for_one_process():
 def test_qwen3_30b_a3b_preset():
   c = model_config(models.qwen3_30b_a3b())
   assert (c.num_layers, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (48, 128, 8, 768)
+
+
+def test_aot_scaled_hybrid_keeps_the_pattern_and_counts_guidance_bytes():
+  """experiments/aot_compile.py on Qwen3.5-35B-A3B without compiling: depths in blocks of 4 (3 Gated
+  DeltaNet, 1 full attention), and the guidance bytes of a 4-layer cut (layers 2-3 guided; K/V only
+  in the full-attention layer 3). NVFP4 mantissa + scale: 1.5 bits per element; full codes 4.5."""
+  from experiments import aot_compile
+
+  c = aot_compile.scaled_config(8, "qwen3_5_35b_a3b")
+  assert c.linear_layers == (0, 1, 2, 4, 5, 6) and c.attention_layers == (3, 7)
+  assert aot_compile.scaled_config(preset="qwen3_5_35b_a3b").num_layers == 40
+  for depth in (2, 6, 0):
+    with pytest.raises(ValueError, match="multiples of 4 to keep that pattern"):
+      aot_compile.scaled_config(depth, "qwen3_5_35b_a3b")
+  table = aot_compile.guidance_bytes(aot_compile.scaled_config(4, "qwen3_5_35b_a3b"))
+  h, k, inter, kv = 2048, 8, 512, 2 * 256
+  bits = lambda elements: elements * 3 // 16
+  assert table["moe_input (the paper's accounting)"] == {"total": 2 * bits(h), "moe_input": 2 * bits(h)}
+  want = {"moe_input": 2 * bits(h), "key": bits(kv), "value": bits(kv)}
+  assert table["moe_input + key/value"] == {"total": sum(want.values()), **want}
+  assert table["all four"]["moe_hidden"] == 2 * bits(k * inter)
+  full = table["trace_full: full codes, all four, every layer"]  # 3x the bits; 2x the layers, but one K/V layer
+  assert full["moe_input"] == 2 * 3 * 2 * bits(h) and full["key"] == 3 * bits(kv)
 
 
 def test_expert_parallel_on_one_device_is_the_sorted_moe():
@@ -216,6 +313,21 @@ def test_sharded_rl_steps_match_one_device(results):
   assert r["metric_diff"] < 1e-5
   assert r["param_diff"] < 1e-4
   assert r["grad_norm"][0] > 0 and r["dropped"] == [0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_sharded_hybrid_rl_steps_match_one_device(hybrid_results):
+  """The Qwen3.5 hybrid (Gated DeltaNet + gated full attention) with its heads split over 'tensor'."""
+  r = hybrid_results["hybrid"]
+  assert r["tokens_equal"]
+  assert r["logprob_diff"] < 1e-5
+  assert r["metric_diff"] < 1e-5
+  assert r["param_diff"] < 1e-4
+  assert r["grad_norm"][0] > 0 and all(b["guidance"] > 0 for b in r["bytes"])
+  assert r["trainer_specs"]["v"] == "P('fsdp', 'tensor', None)" and r["trainer_specs"]["a_log"] == "P('tensor',)"
+  assert r["engine_specs"]["v"] == "P(None, 'tensor', None)" and r["engine_specs"]["gate"] == "P(None, 'tensor', None)"
+  # codes are compared for the routed experts of every layer, K/V only where a full-attention layer has them
+  assert {k.split("/")[1] for k in r["agreement"] if k.endswith("layer0")} == {"moe_input", "moe_hidden"}
 
 
 @pytest.mark.slow
