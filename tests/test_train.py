@@ -283,7 +283,7 @@ def test_the_qwen3_5_hybrid_trains_with_the_same_metrics(reference, data_dir, tm
     {
       "model.hidden_size": 32,
       "model.num_layers": 2,
-      "model.layer_types": ["linear_attention", "full_attention"],
+      "model.full_attention_interval": 2,  # layer 0 Gated DeltaNet, layer 1 full attention
       "model.num_heads": 2,
       "model.num_kv_heads": 1,
       "model.head_dim": 16,
