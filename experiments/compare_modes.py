@@ -1,6 +1,11 @@
 """The mode comparison of SPEC section 7 at our scale: same seeds, same budget per mode.
 
   python -m experiments.compare_modes --root=/tmp/modes --seeds=0,1,2 --out=docs/figures
+  python -m experiments.compare_modes --modes=qat,trace --max_version_diff=0,2 --root=/tmp/async_modes
+
+--max_version_diff=0,2 runs each mode synchronously and with rollouts up to 2 policy versions old
+(rl.max_version_diff, exact staleness: trace_jax/async_rl.py); the table then also splits the
+train-rollout mismatch into its quantization and staleness parts.
 
 Runs every mode for every seed under <root> (finished runs are read back, not rerun), from one
 SFT warm start per seed shared by all modes, and writes:
@@ -29,6 +34,9 @@ _STEPS = flags.DEFINE_integer("steps", None, "RL steps per run (default: the con
 _EVAL_PROMPTS = flags.DEFINE_integer("eval_prompts", 512, "Test prompts for the final greedy accuracy.")
 _PROCESSES = flags.DEFINE_bool("processes", False, "Run each mode in its own process.")
 _MODEL = flags.DEFINE_string("model", "tiny", "A preset of configs/models.py (e.g. tiny_hybrid: the Qwen3.5 hybrid).")
+_MAX_VERSION_DIFF = flags.DEFINE_list(
+  "max_version_diff", ["0"], "rl.max_version_diff values to run each mode with (0 = synchronous)."
+)
 
 # The metrics of the comparison (sweep.extract keys), in table order, with their column headers.
 HEADERS = {
@@ -43,6 +51,13 @@ HEADERS = {
   "final/accuracy_fp4_engine": "final acc., FP4 engine",
 }
 METRICS = tuple(HEADERS)
+# With asynchronous runs: the staleness and the two parts of the mismatch (trace_jax/train.py, RLStep.learn).
+ASYNC_HEADERS = {
+  "last:staleness/version_diff": "late staleness (versions)",
+  "last:mismatch/quant_part/logp_diff_mean": "late \\|dlogp\\|, quantization part",
+  "last:mismatch/staleness_part/logp_diff_mean": "late \\|dlogp\\|, staleness part",
+  "last:at_rollout_version/agreement/deep": "codeword agreement, deeper half, at the rollout's version",
+}
 
 
 def compare(
@@ -53,19 +68,27 @@ def compare(
   seeds=(0, 1, 2),
   modes=MODES,
   processes: bool = False,
+  max_version_diffs=(0,),
 ) -> list[dict]:
-  """Run (or read back) every mode x seed of `base`; write the tables and figures; return the rows."""
+  """Run (or read back) every mode x seed of `base` (x rl.max_version_diff when more than 0 is given);
+  write the tables and figures; return the rows."""
   out = out or root
   # every mode of a seed starts from the same SFT policy
   base = sweep.configure(base, {"sft.cache_dir": os.path.join(root, "sft_cache")})
-  rows = sweep.sweep(base, {"mode": list(modes)}, root=root, seeds=list(seeds), processes=processes, metrics=METRICS)
+  grid, keys, headers = {"mode": list(modes)}, ["mode"], dict(HEADERS)
+  if list(max_version_diffs) != [0]:
+    grid["rl.max_version_diff"] = [int(d) for d in max_version_diffs]
+    keys.append("rl.max_version_diff")
+    headers.update(ASYNC_HEADERS)
+  metrics = tuple(headers)
+  rows = sweep.sweep(base, grid, root=root, seeds=list(seeds), processes=processes, metrics=metrics)
   sweep.write_table(rows, os.path.join(root, "table"))
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "table.md"), "w") as f:
-    f.write(sweep.markdown(rows, METRICS, ["mode"], headers=HEADERS) + "\n")
+    f.write(sweep.markdown(rows, metrics, keys, headers=headers) + "\n")
   with open(os.path.join(out, "final_policy.md"), "w") as f:
     f.write(final_policy_table(rows) + "\n")
-  plotting.mode_comparison_figures(rows, out)
+  plotting.mode_comparison_figures(rows, out, label="mode" if len(keys) == 1 else "name")
   return rows
 
 
@@ -93,6 +116,8 @@ def final_policy_table(rows: list[dict]) -> str:
   ]
   for r in rows:
     name = "bf16-trained, post-hoc PTQ" if r["mode"] == "bf16" else f"{r['mode']}-trained"
+    if "rl.max_version_diff" in r:
+      name += f", max_version_diff={r['rl.max_version_diff']}"
     gap = paired(values(r, fp4_key) - values(r, bf16_key))
     if r["mode"] == "bf16":
       vs_ptq = "(reference)"
@@ -117,6 +142,7 @@ def main(argv):
     seeds=[int(s) for s in _SEEDS.value],
     modes=_MODES.value,
     processes=_PROCESSES.value,
+    max_version_diffs=[int(d) for d in _MAX_VERSION_DIFF.value],
   )
   for name in ("table.md", "final_policy.md"):
     with open(os.path.join(out, name)) as f:

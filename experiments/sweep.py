@@ -227,8 +227,9 @@ def row_value(row: dict, key: str, num_layers: int | None = None) -> float:
   """One step's value of `key` from a metrics.jsonl row (NaN when absent), with the layer
   averages `agreement/deep`, `agreement/shallow` and `routing_agreement` (num_layers: the
   model's, for the halves; default: one more than the highest layer in the row)."""
-  if key in ("agreement/deep", "agreement/shallow", "routing_agreement"):
-    prefix = "routing_agreement/layer" if key == "routing_agreement" else "agreement/"
+  if key == "routing_agreement" or key.endswith(("agreement/deep", "agreement/shallow")):
+    # also prefixed, e.g. at_rollout_version/agreement/deep
+    prefix = "routing_agreement/layer" if key == "routing_agreement" else key.rsplit("/", 1)[0] + "/"
     layers, present = {}, set()
     for k, v in row.items():
       if k.startswith(prefix):
@@ -239,9 +240,9 @@ def row_value(row: dict, key: str, num_layers: int | None = None) -> float:
       return float("nan")
     n = num_layers or max(present) + 1
     deep = set(deeper_layers(n, 0.5))
-    if key == "agreement/deep":
+    if key.endswith("agreement/deep"):
       layers = {i: v for i, v in layers.items() if i in deep}
-    elif key == "agreement/shallow":
+    elif key.endswith("agreement/shallow"):
       layers = {i: v for i, v in layers.items() if i not in deep}
     return float(np.mean([x for v in layers.values() for x in v])) if layers else float("nan")
   value = row.get(key)

@@ -12,6 +12,7 @@ workdir / SFT cache / preemption / summary plumbing in job.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -24,7 +25,7 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from trace_jax import checkpoint, cluster, data, experience, job, model, rl, rollout, sharding, trainer
+from trace_jax import async_rl, checkpoint, cluster, data, experience, job, model, rl, rollout, sharding, trainer
 from trace_jax.config import DataConfig, QuantConfig, RunConfig
 from trace_jax.experience import measured_positions
 from trace_jax.metrics_writer import read_metrics
@@ -141,10 +142,14 @@ class RLStep:
   rollout_key: jax.Array
   reference: model.Params | None = None
   reference_logprobs: Callable | None = None
+  update_rtn: Callable | None = None  # update / logprobs rounding to nearest: guidance too old to steer
+  logprobs_rtn: Callable | None = None
 
   @classmethod
   def build(cls, run: RunConfig, topology, optimizer, reward_fn, rollout_key, reference=None) -> RLStep:
     mesh, expert_parallel = topology.trainer, topology.expert_parallel
+    stale_guidance = run.mode.guided and run.grpo.guidance_bound < run.grpo.max_version_diff
+    rtn = dict(mesh=mesh, expert_parallel=expert_parallel, guided=False)
     return cls(
       run=run,
       topology=topology,
@@ -156,26 +161,31 @@ class RLStep:
       rollout_key=rollout_key,
       reference=reference,
       reference_logprobs=None if reference is None else trainer.make_reference_logprobs(run),
+      update_rtn=trainer.make_rl_step(run, optimizer, **rtn) if stale_guidance else None,
+      logprobs_rtn=trainer.make_rl_logprobs(run, **rtn) if stale_guidance else None,
     )
 
-  def optimize(self, step: int, state: trainer.TrainState, batch):
+  def optimize(self, step: int, state: trainer.TrainState, batch, guided: bool = True):
     """rl.ppo_epochs passes over the rollout batch, each in rl.minibatches shuffled mini-batches
-    (deterministic in seed and step), one update each. Returns (state, metrics as floats).
+    (deterministic in seed and step), one update each. Returns (state, metrics as floats, the
+    trainer's log-probs of the batch before the first update).
 
     Losses and gradient norms are averaged over the updates, `finite` holds if every update was;
-    the mismatch and agreement metrics are those of the parameters the rollout was synced from.
+    the mismatch and agreement metrics are those of the parameters before the first update.
+    guided=False: round to nearest even in a guided mode (guidance too old to steer).
     """
     grpo = self.run.grpo
+    update, logprobs = (self.update, self.logprobs) if guided else (self.update_rtn, self.logprobs_rtn)
     behaviour = None
     if grpo.minibatches > 1:  # later mini-batches see moved parameters: take every old log-prob first
-      old_logp, behaviour = self.logprobs(state.params, batch)
+      old_logp, behaviour = logprobs(state.params, batch)
       batch = dataclasses.replace(batch, old_logp=old_logp)
     updates, n = [], batch.inputs.shape[0]
     for epoch in range(grpo.ppo_epochs):
       rows = [None] if grpo.minibatches == 1 else rl.minibatch_rows(n, grpo.minibatches, self.run.job.seed, step, epoch)
       for r in rows:
         first = behaviour is None  # one batch: its first update's forward gives the old log-probs
-        state, logp, m = self.update(state, batch if r is None else self.take_rows(batch, r), first=first)
+        state, logp, m = update(state, batch if r is None else self.take_rows(batch, r), first=first)
         if first:
           behaviour = m
           batch = dataclasses.replace(batch, old_logp=logp)
@@ -189,7 +199,7 @@ class RLStep:
         return float(np.mean([float(m[key]) for m in updates]))
       return float(behaviour[key])
 
-    return state, {key: combined(key) for key in updates[0]}
+    return state, {key: combined(key) for key in updates[0]}, batch.old_logp
 
   def __call__(self, step: int, state: trainer.TrainState, prompts: data.PromptBatch):
     """Rollout, then rewards, advantages and updates; returns (state, metrics as floats)."""
@@ -221,10 +231,21 @@ class RLStep:
     jax.block_until_ready(result.tokens)
     return result, {"transfer/weight_sync_bytes": float(sync_bytes), "time/rollout_s": time.perf_counter() - t0}
 
-  def learn(self, step: int, state: trainer.TrainState, prompts: data.PromptBatch, result):
+  def learn(
+    self, step: int, state: trainer.TrainState, prompts: data.PromptBatch, result, version=None, version_params=None
+  ):
     """The trainer's half: rewards, advantages, the batch moved onto the trainer mesh (with the
-    bytes that crossed), and the updates. Returns (state, metrics as floats)."""
+    bytes that crossed), and the updates. Returns (state, metrics as floats).
+
+    version: the policy version that generated `result` (async_rl; None = this step's own, the
+    synchronous loop), with version_params its trainer parameters. Then the metrics also hold the
+    staleness, and the train-rollout mismatch split into its quantization part (the trainer at the
+    rollout's version vs the engine) and its staleness part (the trainer now vs at that version).
+    Guidance more than rl.guidance_max_staleness versions old rounds to nearest (counted).
+    """
     run, topology, G = self.run, self.topology, self.run.grpo.num_generations
+    staleness = 0 if version is None else step - version
+    guided = staleness <= run.grpo.guidance_bound or not run.mode.guided
     answers = [a for a in prompts.answers for _ in range(G)]
     tokens = sharding.to_host(result.tokens)
     rewards, invalid = self.reward_fn(answers, tokens[:, prompts.tokens.shape[1] :])
@@ -236,8 +257,10 @@ class RLStep:
       batch = dataclasses.replace(batch, ref_logp=self.reference_logprobs(self.reference, batch))
 
     t0 = time.perf_counter()
-    state, metrics = self.optimize(step, state, batch)
+    state, metrics, logp = self.optimize(step, state, batch, guided)
     t_train = time.perf_counter() - t0
+    if version is not None:
+      metrics.update(self.staleness_metrics(staleness, guided, batch, logp, metrics, version_params))
     positions = sharding.to_host(measured_positions(batch))  # to the rollout mesh, where the codes are
     positions = sharding.host_to_global(positions, sharding.batch_shardings(positions, topology.rollout))
     floor = rl.scale_floor_fractions(result.codes, positions)
@@ -262,6 +285,34 @@ class RLStep:
     )
     return state, metrics
 
+  def staleness_metrics(self, staleness: int, guided: bool, batch, logp, metrics: dict, version_params) -> dict:
+    """The staleness of a batch and the two parts of its train-rollout mismatch (see `learn`).
+
+    metrics: the trainer's behaviour metrics now (its forward before the first update, log-probs
+    `logp`). The trainer at the rollout's version runs one more forward, unless staleness is 0.
+    """
+    if staleness == 0:
+      at_version, logp_at_version = metrics, logp
+    else:
+      forward = self.logprobs if guided else self.logprobs_rtn
+      logp_at_version, at_version = forward(version_params, batch)
+      at_version = {k: float(v) for k, v in jax.device_get(at_version).items()}
+    drift = {k: float(v) for k, v in jax.device_get(_mismatch(logp, logp_at_version, batch.loss_mask)).items()}
+    out = {
+      "staleness/version_diff": float(staleness),
+      "guidance/stale_dropped": float(not guided),
+      **{f"mismatch/staleness_part/{k.removeprefix('mismatch/')}": v for k, v in drift.items()},
+    }
+    for key, value in at_version.items():
+      if key.startswith("mismatch/"):
+        out[f"mismatch/quant_part/{key.removeprefix('mismatch/')}"] = value
+      elif key.startswith(("agreement/", "bit_agreement/")):
+        out[f"at_rollout_version/{key}"] = value
+    return out
+
+
+_mismatch = jax.jit(rl.mismatch_metrics)
+
 
 def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
   """Run (or resume) the RL job described by `cfg` in `workdir`; returns the final summary.
@@ -283,7 +334,10 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
   ckpt = checkpoint.Checkpointer(workdir, max_to_keep=run.job.keep_checkpoints)
   # The KL anchor is the policy RL starts from; a resumed run's own parameters have moved on.
   reference_path = os.path.join(workdir, "reference_params")
-  start, state = ckpt.restore_latest(state)
+  d = run.grpo.max_version_diff  # > 0: rollouts from a producer ahead of the trainer (async_rl.py)
+  versioned = lambda state, past: async_rl.VersionedState(state, past) if d else state
+  start, restored = ckpt.restore_latest(versioned(state, (state.params,) * d))
+  state, past = (restored.state, restored.past_params) if d else (restored, ())
   if start is None:
     logging.info("Starting a new run in %s (mode %s).", workdir, run.mode.name)
     params = sft_warm_start(
@@ -292,7 +346,8 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
     state = trainer.fresh_state(params, optimizer, topology.trainer)
     if run.grpo.kl_coef > 0:  # before checkpoint 0, so that every resumable run has it
       checkpoint.save_tree(reference_path, state.params, force=True)
-    ckpt.save(0, state, force=True)
+    past = (async_rl.copy_params(state.params),) * d  # the train step donates state.params
+    ckpt.save(0, versioned(state, past), force=True)
     start = 0
   else:
     logging.info("Resuming %s from step %d.", workdir, start)
@@ -307,6 +362,11 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
     return data.batch_rewards(answers, responses, tokenizer, run.reward), data.invalid_responses(responses, tokenizer)
 
   rl_step = RLStep.build(run, topology, optimizer, reward_fn, rollout_key, reference)
+  versions = async_rl.Versions(d)
+  for version, params in zip(async_rl.past_versions(start, d), past):
+    versions.publish(version, params)
+  if d:
+    versions.publish(start, async_rl.copy_params(state.params))
   evaluate_fp4 = lambda params: evaluate(
     params, run, run.mode.rollout.quant, tokenizer, test_source, eval_key, topology
   )
@@ -314,9 +374,29 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
   steps = run.job.steps
   bar = tqdm(range(start, steps), initial=start, total=steps, desc=f"rl[{run.mode.name}]", disable=not job.is_lead())
   try:
-    with job.Preempted() as preempted:
+    with job.Preempted() as preempted, contextlib.ExitStack() as stack:
+      producer = None
+      if d:
+        producer = async_rl.Producer(
+          rl_step.rollout,
+          batcher.batch_at,
+          versions,
+          start=start,
+          steps=steps,
+          max_version_diff=d,
+          staleness=run.grpo.staleness,
+        )
+        stack.enter_context(producer)
       for step in bar:
-        state, metrics = rl_step(step, state, batcher.batch_at(step))
+        t0 = time.perf_counter()
+        if producer is None:
+          state, metrics = rl_step(step, state, batcher.batch_at(step))
+        else:
+          r = producer.get(step)
+          state, metrics = rl_step.learn(step, state, r.prompts, r.result, r.version, r.params)
+          metrics.update(r.metrics)
+          versions.publish(step + 1, async_rl.copy_params(state.params))
+        metrics["time/step_s"] = time.perf_counter() - t0
         if not metrics["finite"]:
           raise FloatingPointError(
             f"Loss or gradients are not finite at step {step + 1}; the update was skipped and the run stopped. "
@@ -327,7 +407,7 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
         writer.write(step + 1, metrics)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", dlogp=f"{metrics['mismatch/logp_diff_mean']:.4f}")
         if (step + 1) % run.job.checkpoint_every == 0 or step + 1 == steps or preempted.flag:
-          ckpt.save(step + 1, state, force=True)
+          ckpt.save(step + 1, versioned(state, versions.past(step + 1)), force=True)
         if preempted.flag:
           break
     ckpt.wait()

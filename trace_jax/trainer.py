@@ -42,12 +42,15 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
   return optax.chain(*chain)
 
 
-def qat_context(run: RunConfig) -> qat.QatContext:
-  """The trainer's fake-quant for the run's mode, in the run's trainer dtype."""
+def qat_context(run: RunConfig, guided: bool = True) -> qat.QatContext:
+  """The trainer's fake-quant for the run's mode, in the run's trainer dtype.
+
+  guided=False: the guidance is only measured (round to nearest), e.g. guidance too old to use.
+  """
   mode = run.mode
   rollout = mode.rollout
   return qat.QatContext(
-    mode.trainer_quant, mode.guided, run.trainer_dtype, rollout.guided_layers, rollout.guided_tensors
+    mode.trainer_quant, mode.guided and guided, run.trainer_dtype, rollout.guided_layers, rollout.guided_tensors
   )
 
 
@@ -180,9 +183,10 @@ def quant_metrics(quant_stats: tuple[dict[str, QuantStats], ...], guidance: tupl
   return metrics
 
 
-def _rl_forward(run: RunConfig, expert_parallel):
-  """(params, batch) -> (log-probs of the targets, ForwardAux): the QAT forward (guided per the mode)."""
-  ctx, config = qat_context(run), run.model
+def _rl_forward(run: RunConfig, expert_parallel, guided: bool = True):
+  """(params, batch) -> (log-probs of the targets, ForwardAux): the QAT forward (guided per the mode,
+  unless guided=False)."""
+  ctx, config = qat_context(run, guided), run.model
   moe_impl = "sorted" if expert_parallel is None else "ep"
 
   def forward(params, batch: TrainBatch):
@@ -220,7 +224,7 @@ def _behaviour_metrics(logp, aux, batch: TrainBatch) -> dict:
   return metrics
 
 
-def make_rl_step(run: RunConfig, optimizer, *, mesh=None, expert_parallel=None):
+def make_rl_step(run: RunConfig, optimizer, *, mesh=None, expert_parallel=None, guided: bool = True):
   """The jitted, donated GRPO step: QAT forward (guided per the mode), loss, update, metrics.
 
   `step(state, batch, first)` -> (state, log-probs before the update, metrics). first=True: the
@@ -228,8 +232,9 @@ def make_rl_step(run: RunConfig, optimizer, *, mesh=None, expert_parallel=None):
   mesh: jit with explicit in/out shardings on the trainer mesh (a 1-device mesh is the
   single-device case). expert_parallel: the MoE layers run expert parallel over its mesh
   (moe_impl='ep'), and the dropped assignments are reported as `moe/dropped_tokens`.
+  guided=False: round to nearest even in a guided mode (the guidance is only measured).
   """
-  grpo, forward = run.grpo, _rl_forward(run, expert_parallel)
+  grpo, forward = run.grpo, _rl_forward(run, expert_parallel, guided)
 
   def loss_fn(params, batch: TrainBatch, first: bool):
     logp, aux = forward(params, batch)
@@ -254,13 +259,14 @@ def make_rl_step(run: RunConfig, optimizer, *, mesh=None, expert_parallel=None):
   return _sharded_step(step, optimizer, mesh, out_batch=True)
 
 
-def make_rl_logprobs(run: RunConfig, *, mesh=None, expert_parallel=None):
+def make_rl_logprobs(run: RunConfig, *, mesh=None, expert_parallel=None, guided: bool = True):
   """(params, batch) -> (log-probs, metrics): the QAT forward of a rollout batch before any update.
 
   With mini-batches, later updates see moved parameters, so the PPO ratio's old log-probs (and
   the TIS weight built on them) come from this pass, as do the mismatch and agreement metrics.
+  guided=False: as in make_rl_step.
   """
-  forward = _rl_forward(run, expert_parallel)
+  forward = _rl_forward(run, expert_parallel, guided)
 
   def logprobs(params, batch: TrainBatch):
     logp, aux = forward(params, batch)
