@@ -8,6 +8,8 @@ Self-contained (no model imports): config -> data -> rollout -> train.
   tfds_builder.py  TraceArithmetic (array_record, no TensorFlow), build_arithmetic_dataset
   jsonl.py         JsonlSource for {"prompt", "answer"} lines
   batching.py      PromptBatcher (left-padded prompts), SFTBatcher, both deterministic in (seed, step); check_lengths
+  sandbox.py       run/run_batch: untrusted programs against assert tests in a sandboxed process; code_reward
+  code_tasks.py    CodeProblem, load_code_jsonl (MBPP/HumanEval style), synthesis_problems (the tiny synthesis task)
 """
 
 from trace_jax.data.batching import (
@@ -20,6 +22,7 @@ from trace_jax.data.batching import (
   encode_prompts,
   encode_sft,
 )
+from trace_jax.data.code_tasks import CodeProblem, load_code_jsonl, synthesis_problems
 from trace_jax.data.jsonl import JsonlFormatError, JsonlSource
 from trace_jax.data.rewards import (
   RewardConfig,
@@ -30,6 +33,7 @@ from trace_jax.data.rewards import (
   numbers_equal,
   reward_fn,
 )
+from trace_jax.data.sandbox import SandboxLimits, SandboxResult, code_reward
 from trace_jax.data.tasks import (
   LEVELS,
   ArithmeticTask,
@@ -53,6 +57,7 @@ __all__ = [
   "ArithmeticConfig",
   "ArithmeticTask",
   "CharTokenizer",
+  "CodeProblem",
   "DataSource",
   "EpochSampler",
   "Example",
@@ -64,6 +69,8 @@ __all__ = [
   "RewardConfig",
   "SFTBatch",
   "SFTBatcher",
+  "SandboxLimits",
+  "SandboxResult",
   "Tokenizer",
   "TraceArithmetic",
   "answer_number",
@@ -72,14 +79,17 @@ __all__ = [
   "batch_rewards",
   "build_arithmetic_dataset",
   "check_lengths",
+  "code_reward",
   "default_data_dir",
   "encode_prompts",
   "encode_sft",
   "extract_last_number",
   "invalid_responses",
   "is_test_problem",
+  "load_code_jsonl",
   "load_tokenizer",
   "longest_example",
   "numbers_equal",
   "reward_fn",
+  "synthesis_problems",
 ]
