@@ -692,6 +692,8 @@ def _execute(code, chunks, total, timeout_s, limits, t0) -> SandboxResult:
           break
         for key, _ in selector.select(remaining):
           fd = key.fd
+          if fd not in streams:  # closed by an earlier event of this round (the output cap)
+            continue
           data = os.read(fd, 65536)
           kind = streams[fd]
           if not data:
