@@ -208,3 +208,18 @@ def test_bounded_staleness_with_stale_guidance_rounds_to_nearest(data_dir, tmp_p
     assert math.isfinite(r["mismatch/quant_part/logp_diff_mean"]) and r["finite"]
   assert any(r["guidance/stale_dropped"] for r in rows)
   assert os.path.exists(tmp_path / "summary.json")
+
+
+@pytest.mark.slow
+def test_bench_async_smoke(tmp_path, capsys):
+  """experiments/bench_async.py's CPU path (1 device here: the shared layout), on the tiny run's programs."""
+  from experiments import bench_async
+
+  args = bench_async._parse(
+    ["--smoke", "--layouts=shared", "--diffs=2", f"--root={tmp_path}", f"--json={tmp_path}/b.json"]
+  )
+  (run,) = bench_async.main(args)
+  assert run["max_version_diff"] == 2 and run["staleness_mean"] > 0 and run["steps_per_s"] > 0
+  assert math.isfinite(run["overlap"]) and run["learn_s"] > 0
+  assert json.load(open(tmp_path / "b.json"))["runs"] == [run]
+  assert "| trace | shared | 2 |" in capsys.readouterr().out

@@ -1,0 +1,168 @@
+"""Throughput of asynchronous RL: steps/s with rl.max_version_diff = 0, 1, 2, and the overlap obtained.
+
+  python experiments/bench_async.py [--devices 8] [--rollout_devices 4] [--diffs 0,1,2] [--modes trace]
+                                    [--steps 16] [--json docs/perf/bench_async.json]
+  python experiments/bench_async.py --smoke --layouts=shared --diffs=2   # the tests' tiny model, 3 steps
+
+Each run is `train.train_and_evaluate` of configs/default.py (the mode, the tiny 4-layer MoE, 8
+prompts x 8 samples, 8 new tokens at most), with a short SFT and no evaluation during RL, on
+`--devices` simulated CPU devices (XLA_FLAGS is set before jax is imported):
+  layout 'separate'  mesh.rollout_devices = R: the engine on the first R devices, the trainer on the rest
+  layout 'shared'    mesh.rollout_devices = 0: both on every device (the producer is a thread beside it)
+The rollout is the producer's (weight sync + generate), the train part the trainer's (rewards,
+reference log-probs, updates, and for d > 0 the forward at the rollout's version).
+
+Per run, over the steps after the first d + 2 (which compile): the median step time (the trainer's
+loop, `time/step_s`), the rollout (`time/rollout_s`: weight sync + generate), the trainer's half
+("learn": rewards, batch transfer, reference log-probs, the update, the metrics; for d > 0 also the
+forward at the rollout's version), i.e. step - rollout when synchronous and step - wait for the
+producer (`time/wait_s`) when not; steps/s = 1 / median step; and the overlap obtained:
+  overlap = (rollout + learn - step) / min(rollout, learn)
+1: the shorter half hides entirely behind the longer; 0: none (the synchronous loop). Both halves
+share this machine's cores whatever the layout (simulated devices are threads of one process), so
+each half runs slower while the other runs: the `rollout` and `learn` of async runs are measured
+under that contention. Compiles are cached on disk under --root (the runs share most programs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _parse(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--devices", type=int, default=8)
+  p.add_argument("--rollout_devices", type=int, default=4)
+  p.add_argument("--layouts", default="separate,shared")
+  p.add_argument("--diffs", default="0,1,2")
+  p.add_argument("--modes", default="trace")
+  p.add_argument("--steps", type=int, default=16)
+  p.add_argument("--root", default="/tmp/bench_async")
+  p.add_argument("--json", default="")
+  p.add_argument("--smoke", action="store_true", help="the tests' tiny model, 3 steps")
+  return p.parse_args(argv)
+
+
+ARGS = _parse() if __name__ == "__main__" else None
+if ARGS is not None:
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from configs import default  # noqa: E402
+from experiments import sweep  # noqa: E402
+from trace_jax.metrics_writer import read_metrics  # noqa: E402
+
+SMOKE = {  # the tests' tiny run (tests/tiny.py TINY), so that a test shares its compiled programs
+  "model.hidden_size": 32,
+  "model.num_layers": 2,
+  "model.num_heads": 2,
+  "model.num_kv_heads": 1,
+  "model.head_dim": 16,
+  "model.num_experts": 4,
+  "model.num_experts_per_tok": 2,
+  "model.moe_intermediate_size": 16,
+  "batch_prompts": 2,
+  "rl.num_generations": 2,
+  "rl.kl_coef": 0.05,
+  "rollout.max_new_tokens": 8,
+  "sft.steps": 2,
+  "sft.batch_size": 8,
+  "data.num_train": 500,
+  "data.num_test": 50,
+}
+
+
+def med_of(values) -> float:
+  return float(np.median(values))
+
+
+def run_one(mode: str, layout: str, d: int, args) -> dict:
+  """One run; returns its medians, steps/s and overlap."""
+  workdir = os.path.join(args.root, f"{mode}-{layout}-d{d}")
+  shutil.rmtree(workdir, ignore_errors=True)
+  overrides = {
+    "steps": args.steps,
+    "sft.steps": 20,
+    "eval_every": 0,
+    "eval_prompts": 8,
+    "checkpoint_every": args.steps,
+    "rl.max_version_diff": d,
+    "mesh.rollout_devices": args.rollout_devices if layout == "separate" else 0,
+    "data.data_dir": os.path.join(args.root, "tfds"),
+    **(SMOKE if args.smoke else {}),
+  }
+  cfg = sweep.configure(default.get_config(mode), overrides)
+  from trace_jax import train  # after XLA_FLAGS
+
+  t0 = time.perf_counter()
+  train.train_and_evaluate(cfg, workdir)
+  total = time.perf_counter() - t0
+  rows = read_metrics(workdir)
+  steady = rows[min(d + 2, len(rows) - 1) :]
+  med = lambda key: float(np.median([r[key] for r in steady])) if all(key in r for r in steady) else 0.0
+  step, rollout, train_s, wait = med("time/step_s"), med("time/rollout_s"), med("time/train_s"), med("time/wait_s")
+  learn = med_of([r["time/step_s"] - (r["time/wait_s"] if d else r["time/rollout_s"]) for r in steady])
+  overlap = (rollout + learn - step) / min(rollout, learn) if min(rollout, learn) > 0 else float("nan")
+  out = {
+    "mode": mode,
+    "layout": layout,
+    "max_version_diff": d,
+    "steps_timed": len(steady),
+    "step_s": step,
+    "steps_per_s": 1.0 / step,
+    "rollout_s": rollout,
+    "learn_s": learn,
+    "train_s": train_s,
+    "wait_s": wait,
+    "overlap": overlap,
+    "staleness_mean": float(np.mean([r.get("staleness/version_diff", 0.0) for r in rows])),
+    "run_s": total,
+  }
+  print(json.dumps(out), flush=True)
+  return out
+
+
+def main(args) -> list[dict]:
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+
+  if not jax.config.jax_compilation_cache_dir:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    compilation_cache.set_cache_dir(os.path.join(args.root, "xla_cache"))
+
+  print(f"{jax.device_count()} devices ({jax.devices()[0].platform}), {os.cpu_count()} CPU cores", flush=True)
+  layouts, diffs = args.layouts.split(","), [int(d) for d in args.diffs.split(",")]
+  if args.smoke:
+    args.steps = 3
+  results = [run_one(mode, layout, d, args) for mode in args.modes.split(",") for layout in layouts for d in diffs]
+  print("\n| mode | layout | d | steps/s | step s | rollout s | learn s | wait s | overlap |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  for r in results:
+    print(
+      f"| {r['mode']} | {r['layout']} | {r['max_version_diff']} | {r['steps_per_s']:.2f} | {r['step_s']:.3f} | "
+      f"{r['rollout_s']:.3f} | {r['learn_s']:.3f} | {r['wait_s']:.3f} | {r['overlap']:.2f} |"
+    )
+  for mode in args.modes.split(","):
+    for layout in layouts:
+      base = next(r for r in results if (r["mode"], r["layout"], r["max_version_diff"]) == (mode, layout, diffs[0]))
+      for r in results:
+        if (r["mode"], r["layout"]) == (mode, layout) and r is not base:
+          ratio = r["steps_per_s"] / base["steps_per_s"]
+          print(f"{mode} {layout}: steps/s at d={r['max_version_diff']} / d={diffs[0]}: {ratio:.2f}x")
+  if args.json:
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+      json.dump({"args": vars(args), "cpu_count": os.cpu_count(), "runs": results}, f, indent=2)
+  return results
+
+
+if __name__ == "__main__":
+  main(ARGS)
