@@ -64,6 +64,7 @@ LAYERS = (
   "metrics_writer",
   "console",
   "job",
+  "async_rl",
   "train",
   "hf",
   "main",
