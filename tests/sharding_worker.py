@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 
 from configs import models  # noqa: E402  (the test runs this with the repo root on PYTHONPATH)
 from tests.tiny import tiny_model  # noqa: E402
-from trace_jax import checkpoint, cluster, data, model, moe, qat, sharding, train, trainer  # noqa: E402
+from trace_jax import async_rl, checkpoint, cluster, data, model, moe, qat, sharding, train, trainer  # noqa: E402
 from trace_jax import config as config_lib  # noqa: E402
 from trace_jax.config import (  # noqa: E402
   FULL_ATTENTION,
@@ -104,6 +104,29 @@ def pipeline(run: RunConfig, topology: cluster.Topology, steps: int = 2):
   engine, _ = rl_step.sync(state.params)
   out["engine"] = engine
   out["engine_sharding"] = str(jax.tree_util.tree_leaves(engine)[-3].sharding.spec)
+  out["rl_step"] = rl_step
+  return out
+
+
+def async_pipeline(rl_step: train.RLStep, steps: int = 3, d: int = 1) -> list[dict]:
+  """The loop of train.train_and_evaluate with rl.max_version_diff=d (exact): a Producer thread
+  generates batch t with version max(0, t - d) while the trainer trains. Reuses rl_step's programs."""
+  run, topology = rl_step.run, rl_step.topology
+  run = dataclasses.replace(run, grpo=dataclasses.replace(run.grpo, max_version_diff=d))  # the same programs
+  rl_step = dataclasses.replace(rl_step, run=run)
+  optimizer = trainer.make_optimizer(run.optim, 10)
+  state = trainer.init_state(run.model, optimizer, jax.random.key(0), topology.trainer)
+  versions = async_rl.Versions(d)
+  versions.publish(0, async_rl.copy_params(state.params))
+  out = []
+  with async_rl.Producer(
+    rl_step.rollout, lambda step: prompts(), versions, start=0, steps=steps, max_version_diff=d
+  ) as producer:
+    for step in range(steps):
+      r = producer.get(step)
+      state, metrics = rl_step.learn(step, state, r.prompts, r.result, r.version, r.params)
+      versions.publish(step + 1, async_rl.copy_params(state.params))
+      out.append({**metrics, **r.metrics, "version": r.version})
   return out
 
 
@@ -129,6 +152,16 @@ def check_rl(results: dict) -> None:
   eps = ExpertParallel(trainer_mesh, capacity_factor=4.0), ExpertParallel(rollout_mesh, capacity_factor=1.0)
   topology = cluster.Topology(trainer_mesh, rollout_mesh, *eps)
   res = pipeline(run, topology)
+  # rl.max_version_diff=1 on the same layouts: the producer on the engine's devices, the trainer on its own
+  single_async, res_async = async_pipeline(single["rl_step"]), async_pipeline(res["rl_step"])
+  results["async"] = dict(
+    versions=[m["version"] for m in res_async],
+    staleness=[m["staleness/version_diff"] for m in res_async],
+    metric_diff=metric_diff(single_async, res_async),
+    first_step_diff=metric_diff(res["metrics"][:1], res_async[:1]),
+    quant_part=[m["mismatch/quant_part/logp_diff_mean"] for m in res_async],
+    staleness_part=[m["mismatch/staleness_part/logp_diff_mean"] for m in res_async],
+  )
   results["rl"] = dict(
     tokens_equal=all(np.array_equal(a, b) for a, b in zip(single["tokens"], res["tokens"])),
     logprob_diff=max_diff(single["logprobs"], res["logprobs"]),

@@ -316,6 +316,17 @@ def test_sharded_rl_steps_match_one_device(results):
 
 
 @pytest.mark.slow
+def test_async_rl_on_separate_meshes_matches_one_device(results):
+  """rl.max_version_diff=1: the producer generates on the engine's 4 devices while the trainer trains on
+  the other 4; the same loop on one device gives the same metrics, and step 0 those of the sync loop."""
+  r = results["async"]
+  assert r["versions"] == [0, 0, 1] and r["staleness"] == [0, 1, 1]
+  assert r["metric_diff"] < 1e-5 and r["first_step_diff"] < 1e-5
+  assert r["staleness_part"][0] == 0 and r["staleness_part"][2] > 0  # step 0's LR is 0 (warmup)
+  assert all(q > 0 for q in r["quant_part"])
+
+
+@pytest.mark.slow
 def test_sharded_hybrid_rl_steps_match_one_device(hybrid_results):
   """The Qwen3.5 hybrid (Gated DeltaNet + gated full attention) with its heads split over 'tensor'."""
   r = hybrid_results["hybrid"]

@@ -32,32 +32,42 @@ from trace_jax.metrics_writer import read_metrics
 
 
 def load_data(cfg: DataConfig, max_new_tokens: int | None = None):
-  """(tokenizer, train source, test source) for the configured task.
+  """(tokenizer, train source, test source) for the configured task (data.task).
 
-  max_new_tokens: also refuse (data.check_lengths), before the arithmetic task is built, prompts
+  The tokenizer is the task's character tokenizer (data.task_alphabet) unless data.tokenizer names
+  a tokenizer.json. Sources: the arithmetic and running-sum tasks are tfds array_record datasets
+  (built once under data.data_dir), or {"prompt", "answer"} JSONL for 'arithmetic' with
+  data.jsonl_train; the code tasks are lists of Examples whose answer is the hidden tests
+  (data.code_sources).
+
+  max_new_tokens: also refuse (data.check_lengths), before a generated task is built, prompts
   longer than data.max_prompt_len and answers the rollout cannot finish in max_new_tokens. The
-  arithmetic task is checked on each level's longest problem (exact for the character tokenizer),
-  JSONL files line by line.
+  generated tasks are checked on their longest problems (exact for the character tokenizer), files
+  and code problems one by one.
   """
-  tokenizer = data.load_tokenizer(cfg.tokenizer or None)
+  tokenizer = data.load_tokenizer(cfg.tokenizer or None, task=cfg.task)
 
   def check(examples):
     if max_new_tokens is not None:
       data.check_lengths(examples, tokenizer, cfg.max_prompt_len, max_new_tokens)
 
+  if cfg.task in ("code_synthesis", "code_jsonl"):
+    train, test = data.code_sources(cfg)
+    check({f"problem {ex.metadata['name']}": ex for src in (train, test) for ex in src})
+    return tokenizer, train, test
+  generated = dict(data_dir=cfg.data_dir or None, num_train=cfg.num_train, num_test=cfg.num_test, seed=cfg.seed)
+  if cfg.task == "running_sum":
+    task = data.RunningSumTask(cfg.sum_terms, cfg.term_digits)
+    check({f"the running sum of {task.terms} {task.digits}-digit terms": task.longest_example()})
+    kwargs = dict(generated, terms=task.terms, digits=task.digits)
+    return tokenizer, data.running_sum_source("train", **kwargs), data.running_sum_source("test", **kwargs)
   if cfg.jsonl_train:
     train = data.JsonlSource(cfg.jsonl_train)
     test = data.JsonlSource(cfg.jsonl_test) if cfg.jsonl_test else train
     check({f"{src.path}:{ex.metadata['line']}": ex for src in (train, test) for ex in src})
     return tokenizer, train, test
   check({f"level {level}": data.longest_example(level) for level in cfg.levels})
-  kwargs = dict(
-    data_dir=cfg.data_dir or None,
-    levels=tuple(cfg.levels),
-    num_train=cfg.num_train,
-    num_test=cfg.num_test,
-    seed=cfg.seed,
-  )
+  kwargs = dict(generated, levels=tuple(cfg.levels))
   return tokenizer, data.arithmetic_source("train", **kwargs), data.arithmetic_source("test", **kwargs)
 
 
@@ -176,6 +186,11 @@ class RLStep:
     """
     grpo = self.run.grpo
     update, logprobs = (self.update, self.logprobs) if guided else (self.update_rtn, self.logprobs_rtn)
+    if update is None:
+      raise ValueError(
+        "This RLStep has no round-to-nearest programs for stale guidance: build it (RLStep.build) from a run "
+        "whose rl.max_version_diff covers the staleness of the batches it gets."
+      )
     behaviour = None
     if grpo.minibatches > 1:  # later mini-batches see moved parameters: take every old log-prob first
       old_logp, behaviour = logprobs(state.params, batch)
@@ -358,8 +373,8 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
     train_source, tokenizer, run.job.batch_prompts, run.data.max_prompt_len, seed=run.job.seed
   )
 
-  def reward_fn(answers, responses):  # total: an undecodable response scores 0 and is counted
-    return data.batch_rewards(answers, responses, tokenizer, run.reward), data.invalid_responses(responses, tokenizer)
+  # (answers, responses) -> (rewards, invalid): the task's verifier; an undecodable response scores 0 and is counted.
+  reward_fn = data.make_reward_fn(run.data.task, tokenizer, run.reward)
 
   rl_step = RLStep.build(run, topology, optimizer, reward_fn, rollout_key, reference)
   versions = async_rl.Versions(d)
