@@ -12,16 +12,17 @@ prompts x 8 samples, 8 new tokens at most), with a short SFT and no evaluation d
 The rollout is the producer's (weight sync + generate), the train part the trainer's (rewards,
 reference log-probs, updates, and for d > 0 the forward at the rollout's version).
 
-Per run, over the steps after the first d + 2 (which compile): the median step time (the trainer's
-loop, `time/step_s`), the rollout (`time/rollout_s`: weight sync + generate), the trainer's half
-("learn": rewards, batch transfer, reference log-probs, the update, the metrics; for d > 0 also the
-forward at the rollout's version), i.e. step - rollout when synchronous and step - wait for the
-producer (`time/wait_s`) when not; steps/s = 1 / median step; and the overlap obtained:
+Per run, over the steps after the first d + 2 (which compile), means of: the step time (the
+trainer's loop, `time/step_s`), the rollout (`time/rollout_s`: weight sync + generate), and the
+trainer's half ("learn": rewards, batch transfer, reference log-probs, the update, the metrics, and
+with rl.split_mismatch the forward at the rollout's version), i.e. step - rollout when synchronous
+and step - the wait for the producer (`time/wait_s`) when not. Then steps/s = 1 / step, its ratio
+to the synchronous run of the same layout (the speedup obtained), and
   overlap = (rollout + learn - step) / min(rollout, learn)
-1: the shorter half hides entirely behind the longer; 0: none (the synchronous loop). Both halves
-share this machine's cores whatever the layout (simulated devices are threads of one process), so
-each half runs slower while the other runs: the `rollout` and `learn` of async runs are measured
-under that contention. Compiles are cached on disk under --root (the runs share most programs).
+the share of the shorter half hidden behind the longer, as each half was timed (0 when
+synchronous). Both halves share this machine's cores whatever the layout (simulated devices are
+threads of one process), so each half runs slower while the other runs: a full overlap of halves
+that each got slower is no speedup. Compiles are cached on disk under --root.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def _parse(argv=None):
   p.add_argument("--root", default="/tmp/bench_async")
   p.add_argument("--json", default="")
   p.add_argument("--smoke", action="store_true", help="the tests' tiny model, 3 steps")
+  p.add_argument("--split_mismatch", default="true", help="rl.split_mismatch (true, false, or both)")
   return p.parse_args(argv)
 
 
@@ -80,13 +82,9 @@ SMOKE = {  # the tests' tiny run (tests/tiny.py TINY), so that a test shares its
 }
 
 
-def med_of(values) -> float:
-  return float(np.median(values))
-
-
-def run_one(mode: str, layout: str, d: int, args) -> dict:
-  """One run; returns its medians, steps/s and overlap."""
-  workdir = os.path.join(args.root, f"{mode}-{layout}-d{d}")
+def run_one(mode: str, layout: str, d: int, split: bool, args) -> dict:
+  """One run; returns its mean times, steps/s and overlap."""
+  workdir = os.path.join(args.root, f"{mode}-{layout}-d{d}-split{int(split)}")
   shutil.rmtree(workdir, ignore_errors=True)
   overrides = {
     "steps": args.steps,
@@ -95,6 +93,7 @@ def run_one(mode: str, layout: str, d: int, args) -> dict:
     "eval_prompts": 8,
     "checkpoint_every": args.steps,
     "rl.max_version_diff": d,
+    "rl.split_mismatch": split,
     "mesh.rollout_devices": args.rollout_devices if layout == "separate" else 0,
     "data.data_dir": os.path.join(args.root, "tfds"),
     **(SMOKE if args.smoke else {}),
@@ -107,14 +106,15 @@ def run_one(mode: str, layout: str, d: int, args) -> dict:
   total = time.perf_counter() - t0
   rows = read_metrics(workdir)
   steady = rows[min(d + 2, len(rows) - 1) :]
-  med = lambda key: float(np.median([r[key] for r in steady])) if all(key in r for r in steady) else 0.0
-  step, rollout, train_s, wait = med("time/step_s"), med("time/rollout_s"), med("time/train_s"), med("time/wait_s")
-  learn = med_of([r["time/step_s"] - (r["time/wait_s"] if d else r["time/rollout_s"]) for r in steady])
+  mean = lambda key: float(np.mean([r[key] for r in steady])) if all(key in r for r in steady) else 0.0
+  step, rollout, train_s, wait = mean("time/step_s"), mean("time/rollout_s"), mean("time/train_s"), mean("time/wait_s")
+  learn = step - (wait if d else rollout)
   overlap = (rollout + learn - step) / min(rollout, learn) if min(rollout, learn) > 0 else float("nan")
   out = {
     "mode": mode,
     "layout": layout,
     "max_version_diff": d,
+    "split_mismatch": split,
     "steps_timed": len(steady),
     "step_s": step,
     "steps_per_s": 1.0 / step,
@@ -142,21 +142,26 @@ def main(args) -> list[dict]:
   layouts, diffs = args.layouts.split(","), [int(d) for d in args.diffs.split(",")]
   if args.smoke:
     args.steps = 3
-  results = [run_one(mode, layout, d, args) for mode in args.modes.split(",") for layout in layouts for d in diffs]
-  print("\n| mode | layout | d | steps/s | step s | rollout s | learn s | wait s | overlap |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  splits = {"true": [True], "false": [False], "both": [True, False]}[args.split_mismatch]
+  results = [
+    run_one(mode, layout, d, split, args)
+    for mode in args.modes.split(",")
+    for layout in layouts
+    for d in diffs
+    for split in (splits if d else [True])  # the split needs d > 0
+  ]
+  print("\n| mode | layout | d | split | steps/s | step s | rollout s | learn s | wait s | overlap | vs d=0 |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for r in results:
-    print(
-      f"| {r['mode']} | {r['layout']} | {r['max_version_diff']} | {r['steps_per_s']:.2f} | {r['step_s']:.3f} | "
-      f"{r['rollout_s']:.3f} | {r['learn_s']:.3f} | {r['wait_s']:.3f} | {r['overlap']:.2f} |"
+    base = next(
+      (b for b in results if (b["mode"], b["layout"], b["max_version_diff"]) == (r["mode"], r["layout"], 0)), None
     )
-  for mode in args.modes.split(","):
-    for layout in layouts:
-      base = next(r for r in results if (r["mode"], r["layout"], r["max_version_diff"]) == (mode, layout, diffs[0]))
-      for r in results:
-        if (r["mode"], r["layout"]) == (mode, layout) and r is not base:
-          ratio = r["steps_per_s"] / base["steps_per_s"]
-          print(f"{mode} {layout}: steps/s at d={r['max_version_diff']} / d={diffs[0]}: {ratio:.2f}x")
+    ratio = f"{r['steps_per_s'] / base['steps_per_s']:.2f}x" if base else "n/a"
+    print(
+      f"| {r['mode']} | {r['layout']} | {r['max_version_diff']} | {'yes' if r['split_mismatch'] else 'no'} | "
+      f"{r['steps_per_s']:.2f} | {r['step_s']:.3f} | {r['rollout_s']:.3f} | {r['learn_s']:.3f} | "
+      f"{r['wait_s']:.3f} | {r['overlap']:.2f} | {ratio} |"
+    )
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:

@@ -418,6 +418,7 @@ class GRPOConfig:
   max_version_diff: int = 0
   staleness: str = "exact"  # 'exact': batch t by version max(0, t - d), reproducible; 'bounded': the newest
   guidance_max_staleness: int = -1  # guidance older than this many versions rounds to nearest; -1 = max_version_diff
+  split_mismatch: bool = True  # async: one more forward per stale batch, at the rollout's version (train.RLStep.learn)
 
   def __post_init__(self):
     if self.num_generations < 2:

@@ -256,7 +256,8 @@ class RLStep:
     synchronous loop), with version_params its trainer parameters. Then the metrics also hold the
     staleness, and the train-rollout mismatch split into its quantization part (the trainer at the
     rollout's version vs the engine) and its staleness part (the trainer now vs at that version).
-    Guidance more than rl.guidance_max_staleness versions old rounds to nearest (counted).
+    Guidance more than rl.guidance_max_staleness versions old rounds to nearest (counted). The split
+    costs one more forward per stale batch; rl.split_mismatch=False leaves it out.
     """
     run, topology, G = self.run, self.topology, self.run.grpo.num_generations
     staleness = 0 if version is None else step - version
@@ -274,8 +275,10 @@ class RLStep:
     t0 = time.perf_counter()
     state, metrics, logp = self.optimize(step, state, batch, guided)
     t_train = time.perf_counter() - t0
-    if version is not None:
+    if version is not None and run.grpo.split_mismatch:
       metrics.update(self.staleness_metrics(staleness, guided, batch, logp, metrics, version_params))
+    elif version is not None:
+      metrics.update({"staleness/version_diff": float(staleness), "guidance/stale_dropped": float(not guided)})
     positions = sharding.to_host(measured_positions(batch))  # to the rollout mesh, where the codes are
     positions = sharding.host_to_global(positions, sharding.batch_shardings(positions, topology.rollout))
     floor = rl.scale_floor_fractions(result.codes, positions)
