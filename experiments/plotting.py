@@ -3,6 +3,7 @@
   rows = sweep.sweep(base, {"mode": [...]}, root=..., seeds=[0, 1, 2])
   fig, ax = plt.subplots(); plotting.curves(ax, rows, "reward/mean", label="mode")
   plotting.mode_comparison_figures(rows, "docs/figures")   # the README's figures
+  plotting.mismatch_by_position_figure(rows, "docs/figures")  # mismatch against response position
 
 Rows come from `sweep.sweep` (overrides, `<metric>:mean|std`, `workdirs`); per-step values are
 read from each workdir's metrics.jsonl with `sweep.row_value` (so `agreement/deep` works).
@@ -11,6 +12,7 @@ read from each workdir's metrics.jsonl with `sweep.row_value` (so `agreement/dee
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
@@ -169,6 +171,80 @@ def layer_profile(ax, rows: Sequence[dict], *, label="mode", prefix: str = "agre
   ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
   ax.set_title(title or f"late {prefix.rstrip('/')} per layer")
   ax.grid(alpha=0.3)
+
+
+POSITION_BIN = re.compile(r"/pos(\d+)-(\d+)$")  # rl.position_bin_names
+
+
+def late_by_position(
+  workdirs: Sequence[str], metric: str = "logp_diff_mean", *, prefix="mismatch/by_position/", fraction: float = 0.2
+) -> dict[int, list[float]]:
+  """{bin start: [one value per run]}: each run's mean of `<prefix><metric>/pos<start>-<end>` over
+  its last `fraction` of steps (NaN steps, i.e. empty bins, skipped; runs without the bin left out).
+  prefix `mismatch/quant_part/by_position/` for the quantization part of asynchronous runs."""
+  out: dict[int, list[float]] = {}
+  for workdir in workdirs:
+    rows = read_metrics(workdir)
+    per_bin: dict[int, list[float]] = {}
+    for row in rows[-max(1, int(len(rows) * fraction)) :]:
+      for key, value in row.items():
+        match = POSITION_BIN.search(key)
+        if match and key.startswith(f"{prefix}{metric}/") and value is not None and np.isfinite(value):
+          per_bin.setdefault(int(match.group(1)), []).append(value)
+    for start, values in per_bin.items():
+      out.setdefault(start, []).append(float(np.mean(values)))
+  return dict(sorted(out.items()))
+
+
+def mismatch_by_position(
+  ax,
+  rows: Sequence[dict],
+  label="mode",
+  metric: str = "logp_diff_mean",
+  *,
+  prefix: str = "mismatch/by_position/",
+  fraction: float = 0.2,
+  logy: bool = False,
+  title=None,
+):
+  """One line per row: the late-run mismatch `metric` (`logp_diff_mean`: |logp_train -
+  logp_rollout|, `tis_weight_mean`: the TIS weight) per response-position bin, against the bin's
+  start (log scale; linear below 8, so that the first bin [0, 8) shows at 0). Seed mean, shaded
+  min..max over seeds; rows without the metric are skipped."""
+  starts = set()
+  for i, row in enumerate(rows):
+    late = late_by_position(row["workdirs"], metric, prefix=prefix, fraction=fraction)
+    if not late:
+      continue
+    name, x = label_of(row, label), np.array(list(late), np.float64)
+    ax.plot(x, [np.mean(v) for v in late.values()], "o-", color=_color(name, i), label=name)
+    if max(len(v) for v in late.values()) > 1:
+      lo, hi = [np.min(v) for v in late.values()], [np.max(v) for v in late.values()]
+      ax.fill_between(x, lo, hi, color=_color(name, i), alpha=0.15)
+    starts |= set(late)
+  ax.set_xscale("symlog", base=2, linthresh=8, linscale=0.5)
+  if starts:
+    ax.set_xticks(sorted(starts), [str(s) for s in sorted(starts)])
+  ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+  if logy:
+    ax.set_yscale("log")
+  ax.set_xlabel("response position (bin start)")
+  ax.set_title(title or f"late {prefix}{metric}")
+  ax.grid(alpha=0.3)
+
+
+def mismatch_by_position_figure(
+  rows: Sequence[dict], out_dir: str, *, label="mode", name: str = "mismatch_by_position.png"
+) -> str:
+  """`name` under `out_dir`: late |logp_train - logp_rollout| and TIS weight against the response
+  position, one line per row (mode); returns its path."""
+  os.makedirs(out_dir, exist_ok=True)
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  mismatch_by_position(axes[0], rows, label, "logp_diff_mean", logy=True, title="|logp_train - logp_rollout|")
+  mismatch_by_position(axes[1], rows, label, "tis_weight_mean", title="TIS weight")
+  axes[0].legend(fontsize=8)
+  fig.suptitle("mismatch by response position: mean of the last 20% of steps, over seeds (shaded: min..max)")
+  return _save(fig, out_dir, name)
 
 
 SUMMARY_PANELS = (

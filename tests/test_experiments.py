@@ -312,3 +312,48 @@ def test_notebook_ablations(overrides, tmp_path, kernel_env):
     assert len(json.load(f)) == 11
   images = sum("image/png" in out.get("data", {}) for c in nb.cells for out in c.get("outputs", []))
   assert images >= 3
+
+
+def test_mismatch_by_position_from_synthetic_runs(tmp_path):
+  """Late-run means per response-position bin (last 20% of steps, empty bins skipped), one line per
+  mode at the bins' starts, seeds averaged; the figure is a PNG. Synthetic metrics.jsonl, no runs."""
+  plt = plotting.plt
+
+  def write_run(workdir, scale):
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+      for step in range(1, 11):
+        row = {"step": step, "mismatch/logp_diff_mean": 0.1}
+        for stat, base in (("logp_diff_mean", 0.01), ("tis_weight_mean", 1.0)):
+          for i, name in enumerate(["pos000-007", "pos008-015", "pos016-031"]):
+            value = base + scale * (i + 1) * step
+            row[f"mismatch/by_position/{stat}/{name}"] = None if (i == 2 and step == 10) else value  # empty bin
+        f.write(json.dumps(row) + "\n")
+
+  rows = []
+  for mode, scale in (("qat", 1e-3), ("trace", 1e-4)):
+    workdirs = [str(tmp_path / mode / f"seed{s}") for s in (0, 1)]
+    for s, w in enumerate(workdirs):
+      write_run(w, scale * (1 + s))
+    rows.append({"mode": mode, "workdirs": workdirs, "seeds": 2})
+  empty = tmp_path / "bf16"
+  empty.mkdir()
+  rows.append({"mode": "bf16", "workdirs": [str(empty)], "seeds": 1})  # no metrics: skipped
+
+  late = plotting.late_by_position(rows[0]["workdirs"])
+  assert list(late) == [0, 8, 16]
+  np.testing.assert_allclose(late[0], [0.01 + 1e-3 * 9.5, 0.01 + 2e-3 * 9.5])  # steps 9 and 10
+  np.testing.assert_allclose(late[16], [0.01 + 3e-3 * 9, 0.01 + 6e-3 * 9])  # step 10's bin was empty
+
+  fig, ax = plt.subplots()
+  plotting.mismatch_by_position(ax, rows, metric="tis_weight_mean")
+  assert [line.get_label() for line in ax.lines] == ["qat", "trace"]
+  x, y = ax.lines[1].get_xdata(), ax.lines[1].get_ydata()
+  np.testing.assert_allclose(x, [0, 8, 16])
+  np.testing.assert_allclose(y[1], 1.0 + 1.5 * 2e-4 * 9.5)  # trace, [8, 16): the mean over both seeds
+  assert ax.get_xscale() == "symlog"
+  plt.close(fig)
+
+  path = plotting.mismatch_by_position_figure(rows, str(tmp_path / "figures"))
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trace_jax import experience, fp4, rl
+from trace_jax import experience, fp4, model, rl, trainer
 from trace_jax.config import GRPOConfig
 from trace_jax.quantizer import Guidance
 
@@ -394,3 +394,130 @@ def test_trainer_guidance_slices_and_merges():
 def test_trainer_guidance_without_recording():
   result = fake_rollout(guidance=({}, {}, {}), codes=({}, {}, {}))
   assert experience.trainer_guidance(result) == ({}, {}, {})
+
+
+# --- mismatch by response position and per sequence -----------------------------------------
+
+
+def np_position_mismatch(train_logp, rollout_logp, mask, tis_cap, edges):
+  """Token by token in float64: each response token's position (its index among the sequence's
+  response tokens), its bin among `edges`, and the per-bin and per-sequence statistics."""
+  diffs, weights = [[] for _ in edges[:-1]], [[] for _ in edges[:-1]]
+  sums = []
+  for t_row, r_row, m_row in zip(train_logp, rollout_logp, mask):
+    position, total = 0, 0.0
+    for t, r, m in zip(t_row.astype(np.float64), r_row.astype(np.float64), m_row):
+      if not m:
+        continue
+      b = max(i for i, e in enumerate(edges[:-1]) if e <= position)
+      diffs[b].append(abs(t - r))
+      weights[b].append(min(np.exp(t - r), tis_cap) if tis_cap > 0 else np.exp(t - r))
+      total += t - r
+      position += 1
+    if position:
+      sums.append(total)
+  mean = lambda v: float(np.mean(v)) if v else float("nan")
+  sums = np.array(sums)
+  return (
+    [mean(v) for v in diffs],
+    [mean(v) for v in weights],
+    sums,
+    float(np.mean((np.exp(sums) < 0.5) | (np.exp(sums) > 2.0))),
+  )
+
+
+def ragged_position_inputs(seed=0, n=12, t=80, spread=0.12, padding=-100.0):
+  """Left-padded prompts of 2..12 tokens, responses of 0..60 tokens (then padding): no response
+  reaches position 64, so the last bin of T=80 ([64, 128)) is empty; one sequence has no response.
+  Outside the mask the rollout's log-probs are the trainer's plus `padding` (-100: exp of the
+  difference overflows float32)."""
+  rng = np.random.default_rng(seed)
+  train_logp = np.log(rng.uniform(0.05, 1, (n, t))).astype(np.float32)
+  rollout_logp = (train_logp + rng.normal(0, spread, (n, t))).astype(np.float32)
+  mask = np.zeros((n, t), bool)
+  lengths = rng.integers(1, 61, n)
+  lengths[0], lengths[1], lengths[2] = 0, 60, 1
+  for i, (prompt, length) in enumerate(zip(rng.integers(2, 13, n), lengths)):
+    mask[i, prompt - 1 : prompt - 1 + length] = True  # targets: the first response token follows the prompt
+  rollout_logp[~mask] = train_logp[~mask] + padding
+  return train_logp, rollout_logp, mask
+
+
+def test_position_bins_are_static_powers_of_two_with_sorting_names():
+  assert rl.position_bins(1) == [(0, 8)] and rl.position_bins(8) == [(0, 8)]
+  assert rl.position_bins(9) == [(0, 8), (8, 16)]
+  assert rl.position_bins(80) == [(0, 8), (8, 16), (16, 32), (32, 64), (64, 128)]
+  assert rl.position_bin_names(80) == ["pos000-007", "pos008-015", "pos016-031", "pos032-063", "pos064-127"]
+  assert rl.position_bin_names(512)[-1] == "pos256-511"
+  assert rl.position_bin_names(513)[:2] == ["pos0000-0007", "pos0008-0015"]  # a 4-digit end widens every name
+  names = rl.position_bin_names(2000)
+  assert names[0] == "pos0000-0007" and names[-1] == "pos1024-2047" and sorted(names) == names
+
+
+@pytest.mark.parametrize("tis_cap", [1.1, 0.0])
+def test_position_mismatch_metrics_against_numpy(tis_cap):
+  train_logp, rollout_logp, mask = ragged_position_inputs()
+  got = jax.jit(rl.position_mismatch_metrics)(
+    jnp.asarray(train_logp), jnp.asarray(rollout_logp), jnp.asarray(mask), jnp.float32(tis_cap)
+  )
+  got = {k: float(v) for k, v in got.items()}
+  names = rl.position_bin_names(80)
+  diff, tis, sums, outside = np_position_mismatch(train_logp, rollout_logp, mask, tis_cap, [0, 8, 16, 32, 64, 128])
+  assert set(got) == {
+    *(f"mismatch/by_position/{stat}/{name}" for stat in ("logp_diff_mean", "tis_weight_mean") for name in names),
+    "mismatch/seq_log_ratio_mean",
+    "mismatch/seq_log_ratio_abs_mean",
+    "mismatch/seq_ratio_outside_0.5_2",
+  }
+  for name, d, w in zip(names, diff, tis):
+    np.testing.assert_allclose(got[f"mismatch/by_position/logp_diff_mean/{name}"], d, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(got[f"mismatch/by_position/tis_weight_mean/{name}"], w, rtol=1e-5, err_msg=name)
+  assert np.isnan(diff[-1]) and all(np.isfinite(diff[:-1]))  # [64, 128): no response is that long
+  assert len(sums) == 11  # the sequence without a response is left out
+  np.testing.assert_allclose(got["mismatch/seq_log_ratio_mean"], sums.mean(), rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(got["mismatch/seq_log_ratio_abs_mean"], np.abs(sums).mean(), rtol=1e-5)
+  assert got["mismatch/seq_ratio_outside_0.5_2"] == pytest.approx(outside) and 0 < outside < 1
+  if tis_cap:  # the cap binds on some tokens of every populated bin
+    token_ratio = np.exp(train_logp[mask].astype(np.float64) - rollout_logp[mask])
+    assert (token_ratio > tis_cap).any()
+    assert all(w <= tis_cap for w in tis[:-1])
+
+
+def test_position_mismatch_metrics_with_a_python_cap_and_identical_policies():
+  logp = jnp.asarray(np.log(RNG.uniform(0.02, 1, (3, 20))), jnp.float32)
+  mask = jnp.asarray(np.arange(20) >= np.array([[2], [5], [20]]))  # the last row has no response
+  got = {k: float(v) for k, v in rl.position_mismatch_metrics(logp, logp, mask, 5.0).items()}
+  assert got["mismatch/by_position/logp_diff_mean/pos000-007"] == 0.0
+  assert got["mismatch/by_position/tis_weight_mean/pos016-031"] == 1.0  # the first row reaches position 17
+  assert got["mismatch/seq_log_ratio_abs_mean"] == 0.0 and got["mismatch/seq_ratio_outside_0.5_2"] == 0.0
+  nothing = rl.position_mismatch_metrics(logp, logp + 1.0, jnp.zeros((3, 20), bool), 5.0)
+  assert all(np.isnan(float(v)) for v in nothing.values())
+
+
+def test_behaviour_metrics_of_an_rl_step_hold_the_position_metrics():
+  """trainer._behaviour_metrics (what make_rl_step and make_rl_logprobs report) on a synthetic
+  batch of a model without layers: the per-token and the position metrics, the cap passed through."""
+  # padding 0: rl.mismatch_metrics multiplies by the mask, so it needs finite values outside it
+  train_logp, rollout_logp, mask = ragged_position_inputs(seed=1, padding=0.0)
+  n, t = mask.shape
+  batch = experience.TrainBatch(
+    inputs=jnp.zeros((n, t), jnp.int32),
+    targets=jnp.zeros((n, t), jnp.int32),
+    mask=jnp.ones((n, t), bool),
+    loss_mask=jnp.asarray(mask),
+    rollout_logp=jnp.asarray(rollout_logp),
+    advantages=None,
+    old_logp=jnp.asarray(train_logp),
+    ref_logp=None,
+    guidance=(),
+    replay_ids=None,
+    rollout_ids=(),
+  )
+  aux = model.ForwardAux(router_logits=(), topk_ids=(), quant_stats=(), aux_loss=jnp.zeros(()))
+  behaviour = jax.jit(lambda logp, aux, batch: trainer._behaviour_metrics(logp, aux, batch, 1.1))
+  got = jax.device_get(behaviour(jnp.asarray(train_logp), aux, batch))
+  args = (jnp.asarray(train_logp), jnp.asarray(rollout_logp), jnp.asarray(mask))
+  want = {**rl.mismatch_metrics(*args), **rl.position_mismatch_metrics(*args, 1.1)}
+  assert set(got) == set(want)
+  for key, value in want.items():
+    np.testing.assert_allclose(float(got[key]), float(value), rtol=1e-6, err_msg=key)

@@ -92,6 +92,81 @@ def mismatch_metrics(train_logp: jax.Array, rollout_logp: jax.Array, mask: jax.A
   }
 
 
+FIRST_POSITION_BIN = 8  # response positions [0, 8), then one bin per power of two: [8, 16), [16, 32), ...
+
+
+def position_bins(length: int) -> list[tuple[int, int]]:
+  """The static response-position bins [start, end) that cover positions 0 .. length - 1: [0, 8),
+  then [2**k, 2**(k+1)) for k >= 3. The edges do not depend on `length` (the last bin keeps its
+  full width), so runs of different lengths share their bins."""
+  bins, start, end = [], 0, FIRST_POSITION_BIN
+  while start < length:
+    bins.append((start, end))
+    start, end = end, 2 * end
+  return bins
+
+
+def position_bin_names(length: int) -> list[str]:
+  """`pos{start}-{end - 1}` per position_bins(length), zero-padded to at least 3 digits (more where
+  the last bin needs them, the same width for every bin) so that the names sort by position."""
+  bins = position_bins(length)
+  width = max(3, len(str(bins[-1][1] - 1)))
+  return [f"pos{start:0{width}d}-{end - 1:0{width}d}" for start, end in bins]
+
+
+def position_mismatch_metrics(train_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array, tis_cap) -> dict:
+  """Train-rollout mismatch along the response (issue 16): per response-position bin and per sequence.
+
+  train_logp, rollout_logp, mask: [N, T], mask the loss mask (response tokens; a left-padded prompt
+  and padding after the response are 0). A token's response position is its index among its
+  sequence's response tokens (0 = the first one: the cumulative sum of the mask minus 1), binned by
+  position_bins(T) (static: [0, 8), [8, 16), [16, 32), ... up to the bin holding T - 1).
+  tis_cap: C of the TIS weight min(exp(train - rollout), C) (0: the raw ratio); a float or a scalar
+  array. Jittable.
+
+  Keys, per bin named `pos{start}-{end - 1}` (position_bin_names: zero-padded, e.g. pos000-007,
+  pos008-015, ..., pos128-255):
+    mismatch/by_position/logp_diff_mean/{bin}: mean |logp_train - logp_rollout| over the bin's tokens.
+    mismatch/by_position/tis_weight_mean/{bin}: mean TIS weight over the bin's tokens.
+    Both NaN where no response token falls in the bin.
+  Per sequence, s = sum over its response tokens of (logp_train - logp_rollout), the log of the
+  sequence-level importance ratio, over the sequences with at least one response token (NaN if none):
+    mismatch/seq_log_ratio_mean: mean of s.
+    mismatch/seq_log_ratio_abs_mean: mean of |s|.
+    mismatch/seq_ratio_outside_0.5_2: share of sequences whose ratio exp(s) lies outside [0.5, 2].
+  """
+  m = mask.astype(bool)
+  weight = m.astype(jnp.float32)
+  # where, not a product: padding log-probs can be anything, and exp of them inf
+  log_ratio = jnp.where(m, train_logp.astype(jnp.float32) - rollout_logp.astype(jnp.float32), 0.0)
+  ratio = jnp.exp(log_ratio)
+  tis = jnp.where(tis_cap > 0, jnp.minimum(ratio, tis_cap), ratio)
+
+  bins = position_bins(train_logp.shape[1])
+  position = jnp.cumsum(m.astype(jnp.int32), axis=1) - 1  # -1 before the response: weight 0
+  starts = jnp.asarray([start for start, _ in bins[1:]], jnp.int32)
+  index = jnp.sum(position[..., None] >= starts, axis=-1).reshape(-1)
+  per_bin = lambda x: jax.ops.segment_sum(x.reshape(-1), index, num_segments=len(bins))
+  count = per_bin(weight)
+  bin_mean = lambda x: jnp.where(count > 0, per_bin(jnp.where(m, x, 0.0)) / jnp.maximum(count, 1.0), jnp.nan)
+  diff_mean, tis_mean = bin_mean(jnp.abs(log_ratio)), bin_mean(tis)
+
+  out = {}
+  for i, name in enumerate(position_bin_names(train_logp.shape[1])):
+    out[f"mismatch/by_position/logp_diff_mean/{name}"] = diff_mean[i]
+    out[f"mismatch/by_position/tis_weight_mean/{name}"] = tis_mean[i]
+
+  seq = jnp.sum(log_ratio, axis=1)
+  has = jnp.any(m, axis=1)
+  n = jnp.sum(has.astype(jnp.float32))
+  seq_mean = lambda x: jnp.where(n > 0, jnp.sum(jnp.where(has, x, 0.0)) / jnp.maximum(n, 1.0), jnp.nan)
+  out["mismatch/seq_log_ratio_mean"] = seq_mean(seq)
+  out["mismatch/seq_log_ratio_abs_mean"] = seq_mean(jnp.abs(seq))
+  # exp(s) < 0.5 or > 2, compared in log space (exp of a long sequence's sum overflows)
+  out["mismatch/seq_ratio_outside_0.5_2"] = seq_mean((jnp.abs(seq) > np.log(2.0)).astype(jnp.float32))
+  return out
+
+
 @jax.jit
 def scale_floor_fractions(codes: tuple, positions: jax.Array) -> dict:
   """Per layer and tensor, the share of the rollout's NVFP4 block scales at the E4M3 floor (2**-6):

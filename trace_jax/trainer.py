@@ -208,9 +208,13 @@ def _rl_forward(run: RunConfig, expert_parallel, guided: bool = True):
   return forward
 
 
-def _behaviour_metrics(logp, aux, batch: TrainBatch) -> dict:
-  """Train-rollout mismatch, per-layer code agreement and routing agreement of one forward."""
-  metrics = rl.mismatch_metrics(jax.lax.stop_gradient(logp), batch.rollout_logp, batch.loss_mask)
+def _behaviour_metrics(logp, aux, batch: TrainBatch, tis_cap: float) -> dict:
+  """Train-rollout mismatch (per token, and by response position and per sequence, with TIS weights
+  capped at `tis_cap`: rl.position_mismatch_metrics), per-layer code agreement and routing agreement
+  of one forward."""
+  logp = jax.lax.stop_gradient(logp)
+  metrics = rl.mismatch_metrics(logp, batch.rollout_logp, batch.loss_mask)
+  metrics.update(rl.position_mismatch_metrics(logp, batch.rollout_logp, batch.loss_mask, tis_cap))
   metrics.update(quant_metrics(aux.quant_stats, batch.guidance))
   measured = measured_positions(batch)
   for i, router_logits in enumerate(aux.router_logits):
@@ -251,7 +255,7 @@ def make_rl_step(run: RunConfig, optimizer, *, mesh=None, expert_parallel=None, 
     (loss, (logp, aux, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, first)
     state, grad_norm, finite = _apply(state, grads, loss, optimizer)
     metrics.update({"loss/total": loss, "grad_norm": grad_norm, "finite": finite})
-    metrics.update(_behaviour_metrics(logp, aux, batch))
+    metrics.update(_behaviour_metrics(logp, aux, batch, grpo.tis_cap))
     return state, jax.lax.stop_gradient(logp), metrics
 
   if mesh is None:
@@ -270,7 +274,7 @@ def make_rl_logprobs(run: RunConfig, *, mesh=None, expert_parallel=None, guided:
 
   def logprobs(params, batch: TrainBatch):
     logp, aux = forward(params, batch)
-    metrics = _behaviour_metrics(logp, aux, batch)
+    metrics = _behaviour_metrics(logp, aux, batch, run.grpo.tis_cap)
     if aux.dropped_tokens is not None:
       metrics["moe/dropped_tokens"] = aux.dropped_tokens
     return logp, metrics
