@@ -392,7 +392,9 @@ def test_the_ppo_clip_acts_only_after_the_first_update(one_rl_step):
     assert metrics["loss/clip_frac"] > 0.0 and metrics["finite"] is True, setting
     assert set(metrics) == set(single)
     for k, v in behaviour.items():
-      assert metrics[k] == pytest.approx(v, rel=1e-5, nan_ok=True), (k, setting)
+      # abs: the two programs' log-probs differ by a float32 step on a few tokens, which a signed sum
+      # over a sequence (mismatch/seq_log_ratio_*) turns into a larger relative difference
+      assert metrics[k] == pytest.approx(v, rel=1e-5, abs=1e-6, nan_ok=True), (k, setting)
   assert json.dumps(one_rl_step(2, 1)) == json.dumps(runs[2, 1])
 
 
