@@ -519,25 +519,65 @@ class OptimConfig:
       _fail("optim.grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}.")
 
 
+VERIFIERS = ("exact", "numeric", "code")
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-  """Which verifier and how much each part is worth (format_reward=0 turns the bonus off)."""
+  """Which verifier and how much each part is worth (format_reward=0 turns the bonus off).
 
-  verifier: Literal["exact", "numeric"] = "exact"
+  verifier: 'exact' (the arithmetic and running-sum tasks: the number after the last ';' must equal
+    the answer's), 'numeric' (GSM8K-style JSONL: the last number), 'code' (the code tasks: the
+    program runs in the sandbox against the hidden tests; data.task code_* needs it).
+  partial_credit: a response whose final answer is wrong still earns correct_reward times the
+    share of the answer's intermediate results it got right, in place (exact: the ';'-separated
+    results of the running sum; the arithmetic task's answers have only the final one), or the
+    share of hidden tests its program passed (code). Note that evaluation reuses this reward at
+    correct_reward 1, so with partial credit eval/accuracy is the mean partial score.
+  code_timeout_s: the wall-clock limit of one program (code verifier).
+  """
+
+  verifier: Literal["exact", "numeric", "code"] = "exact"
   correct_reward: float = 1.0
   format_reward: float = 0.1
+  partial_credit: bool = False
+  code_timeout_s: float = 2.0
 
   def __post_init__(self):
-    if self.verifier not in ("exact", "numeric"):
-      _fail("reward.verifier", f"must be 'exact' or 'numeric', got {self.verifier!r}.")
+    if self.verifier not in VERIFIERS:
+      _fail("reward.verifier", f"must be one of {VERIFIERS}, got {self.verifier!r}.")
+    if self.partial_credit and self.verifier == "numeric":
+      _fail(
+        "reward.partial_credit", "the 'numeric' verifier has no intermediate results to credit; use 'exact' or 'code'."
+      )
+    if not self.code_timeout_s > 0:
+      _fail("reward.code_timeout_s", f"must be > 0, got {self.code_timeout_s}.")
+
+
+TASKS = ("arithmetic", "running_sum", "code_synthesis", "code_jsonl")
+CODE_TASKS = ("code_synthesis", "code_jsonl")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """The task. jsonl_train: {"prompt", "answer"} lines instead of the arithmetic task."""
+  """The task, its size and knobs, the tokenizer and the prompt length.
 
+  task: 'arithmetic' (levels 1-4; or {"prompt", "answer"} JSONL lines when jsonl_train is set),
+    'running_sum' (long responses: every partial sum of sum_terms terms of term_digits digits is
+    written out; data/long_tasks.py), 'code_synthesis' (write f from 3 input/output pairs; hidden
+    tests run in the sandbox), 'code_jsonl' (MBPP/HumanEval-style problems from jsonl_train /
+    jsonl_test). The code tasks need reward.verifier='code' and a model.vocab_size >= 100 (their
+    character tokenizer covers printable ASCII).
+  levels: the arithmetic task's levels. sum_terms: the running sum's length knob (~4 response
+    tokens per term with 2-digit terms: 8 -> ~32, 16 -> ~65, 64 -> ~300). term_digits: digits per term.
+  num_train / num_test / seed: the generated tasks' sizes and generator seed (code_synthesis too).
+  """
+
+  task: str = "arithmetic"
   tokenizer: str = ""  # '' = the task's character tokenizer; or a tokenizer.json path
   levels: tuple[int, ...] = (1, 2)
+  sum_terms: int = 16
+  term_digits: int = 2
   num_train: int = 20_000
   num_test: int = 1_000
   seed: int = 0
@@ -545,6 +585,25 @@ class DataConfig:
   max_prompt_len: int = 12
   jsonl_train: str = ""
   jsonl_test: str = ""  # '' = evaluate on jsonl_train
+
+  def __post_init__(self):
+    if self.task not in TASKS:
+      _fail("data.task", f"unknown task {self.task!r}; expected one of {TASKS}.")
+    if not 2 <= self.sum_terms <= 256:
+      _fail("data.sum_terms", f"must lie in [2, 256], got {self.sum_terms}.")
+    if not 1 <= self.term_digits <= 6:
+      _fail("data.term_digits", f"must lie in [1, 6], got {self.term_digits}.")
+    for name in ("num_train", "num_test", "max_prompt_len"):
+      if getattr(self, name) < 1:
+        _fail(f"data.{name}", f"must be >= 1, got {getattr(self, name)}.")
+    if self.task == "code_jsonl" and not self.jsonl_train:
+      _fail("data.jsonl_train", "task 'code_jsonl' reads its problems from a JSONL file; set data.jsonl_train.")
+    if self.task in ("running_sum", "code_synthesis") and (self.jsonl_train or self.jsonl_test):
+      _fail(
+        "data.jsonl_train", f"task {self.task!r} is generated and reads no JSONL; unset data.jsonl_train/jsonl_test."
+      )
+    if self.jsonl_test and not self.jsonl_train:
+      _fail("data.jsonl_test", "is only read with data.jsonl_train set.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,13 +3,16 @@
 Self-contained (no model imports): config -> data -> rollout -> train.
 
   tasks.py         Example, ArithmeticTask (levels 1-4, seed-independent held-out test problems)
-  tokenizer.py     CharTokenizer, HFTokenizer (tokenizer.json), load_tokenizer
-  rewards.py       RewardConfig, reward_fn, batch_rewards, invalid_responses, numeric answer extraction
-  tfds_builder.py  TraceArithmetic (array_record, no TensorFlow), build_arithmetic_dataset
+  long_tasks.py    RunningSumTask: long responses (every partial sum written), the length knob `terms`
+  tokenizer.py     CharTokenizer (the task's alphabet), HFTokenizer (tokenizer.json), load_tokenizer
+  rewards.py       RewardConfig, reward_fn, batch_rewards (exact / numeric / code, partial credit),
+                   make_reward_fn (the trainer's), invalid_responses, numeric answer extraction
+  tfds_builder.py  TraceArithmetic, TraceRunningSum (array_record, no TensorFlow), build_*_dataset, *_source
   jsonl.py         JsonlSource for {"prompt", "answer"} lines
   batching.py      PromptBatcher (left-padded prompts), SFTBatcher, both deterministic in (seed, step); check_lengths
   sandbox.py       run/run_batch: untrusted programs against assert tests in a sandboxed process; code_reward
-  code_tasks.py    CodeProblem, load_code_jsonl (MBPP/HumanEval style), synthesis_problems (the tiny synthesis task)
+  code_tasks.py    CodeProblem, load_code_jsonl (MBPP/HumanEval style), synthesis_problems / synthesis_split
+                   (the tiny synthesis task), code_sources (a code task's train and test Examples)
 """
 
 from trace_jax.data.batching import (
@@ -22,16 +25,21 @@ from trace_jax.data.batching import (
   encode_prompts,
   encode_sft,
 )
-from trace_jax.data.code_tasks import CodeProblem, load_code_jsonl, synthesis_problems
+from trace_jax.data.code_tasks import CodeProblem, code_sources, load_code_jsonl, synthesis_problems, synthesis_split
 from trace_jax.data.jsonl import JsonlFormatError, JsonlSource
+from trace_jax.data.long_tasks import RunningSumTask, mean_target_tokens
 from trace_jax.data.rewards import (
   RewardConfig,
   answer_number,
   batch_rewards,
+  code_rewards,
   extract_last_number,
+  extract_program,
   invalid_responses,
+  make_reward_fn,
   numbers_equal,
   reward_fn,
+  step_credit,
 )
 from trace_jax.data.sandbox import SandboxLimits, SandboxResult, code_reward
 from trace_jax.data.tasks import (
@@ -45,14 +53,28 @@ from trace_jax.data.tasks import (
 )
 from trace_jax.data.tfds_builder import (
   ArithmeticConfig,
+  RunningSumConfig,
   TraceArithmetic,
+  TraceRunningSum,
   arithmetic_source,
   build_arithmetic_dataset,
+  build_running_sum_dataset,
   default_data_dir,
+  running_sum_source,
 )
-from trace_jax.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from trace_jax.data.tokenizer import (
+  ARITHMETIC_ALPHABET,
+  CODE_ALPHABET,
+  CharTokenizer,
+  HFTokenizer,
+  Tokenizer,
+  load_tokenizer,
+  task_alphabet,
+)
 
 __all__ = [
+  "ARITHMETIC_ALPHABET",
+  "CODE_ALPHABET",
   "LEVELS",
   "ArithmeticConfig",
   "ArithmeticTask",
@@ -67,29 +89,42 @@ __all__ = [
   "PromptBatch",
   "PromptBatcher",
   "RewardConfig",
+  "RunningSumConfig",
+  "RunningSumTask",
   "SFTBatch",
   "SFTBatcher",
   "SandboxLimits",
   "SandboxResult",
   "Tokenizer",
   "TraceArithmetic",
+  "TraceRunningSum",
   "answer_number",
   "arithmetic_source",
   "as_example",
   "batch_rewards",
   "build_arithmetic_dataset",
+  "build_running_sum_dataset",
   "check_lengths",
   "code_reward",
+  "code_rewards",
+  "code_sources",
   "default_data_dir",
   "encode_prompts",
   "encode_sft",
   "extract_last_number",
+  "extract_program",
   "invalid_responses",
   "is_test_problem",
   "load_code_jsonl",
   "load_tokenizer",
   "longest_example",
+  "make_reward_fn",
+  "mean_target_tokens",
   "numbers_equal",
   "reward_fn",
+  "running_sum_source",
+  "step_credit",
   "synthesis_problems",
+  "synthesis_split",
+  "task_alphabet",
 ]

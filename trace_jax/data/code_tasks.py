@@ -19,7 +19,8 @@ JSONL (load_code_jsonl), one object per line, MBPP/HumanEval style:
 Other fields are kept in metadata. Every line is validated when the file is read (the tests must
 parse) and errors name the file, the line and the field.
 
-synthesis_problems(n, seed): the prompt shows 3 input/output pairs of a function f from a small
+synthesis_split(n, split, seed) holds out the problems whose crc32(prompt) % 10 == 0 for the test
+split, like the generated tasks. synthesis_problems(n, seed): the prompt shows 3 input/output pairs of a function f from a small
 family (x + k, x - k, x * k, x % k, x // k, x * x, and on lists: reverse, max, min, sum, sorted,
 len, first, last); the hidden tests are 5 more pairs on other inputs; the reference is the
 one-line implementation, e.g. "def f(x):\\n  return x + 3\\n". The public pairs are chosen so that
@@ -37,7 +38,7 @@ from typing import Any
 
 from trace_jax.data.jsonl import JsonlFormatError
 from trace_jax.data.sandbox import split_tests
-from trace_jax.data.tasks import Example
+from trace_jax.data.tasks import SPLITS, Example, is_test_problem
 
 SAMPLE_PATH = os.path.join(os.path.dirname(__file__), "code_sample.jsonl")
 
@@ -201,15 +202,18 @@ def _candidates(on_lists: bool) -> list[tuple[_Family, int]]:
   return [(f, k) for f in SYNTHESIS_FAMILIES if f.on_lists == on_lists for k in (f.params or (0,))]
 
 
-def synthesis_problems(n: int, seed: int = 0, families: Sequence[str] | None = None) -> list[CodeProblem]:
-  """n problems, deterministic in (seed, index); `families` restricts the function families."""
+def synthesis_problems(
+  n: int, seed: int = 0, families: Sequence[str] | None = None, start: int = 0
+) -> list[CodeProblem]:
+  """n problems (indices start .. start + n - 1), deterministic in (seed, index); `families`
+  restricts the function families."""
   names = tuple(families) if families is not None else SYNTHESIS_FAMILY_NAMES
   unknown = sorted(set(names) - set(SYNTHESIS_FAMILY_NAMES))
   if unknown or not names:
     raise ValueError(f"unknown synthesis families {unknown} (known: {list(SYNTHESIS_FAMILY_NAMES)})")
   chosen = [f for f in SYNTHESIS_FAMILIES if f.name in names]
   problems = []
-  for index in range(n):
+  for index in range(start, start + n):
     rng = random.Random(f"trace_jax.synthesis:{seed}:{index}")
     family = rng.choice(chosen)
     k = rng.choice(family.params) if family.params else 0
@@ -241,3 +245,45 @@ def synthesis_problems(n: int, seed: int = 0, families: Sequence[str] | None = N
       )
     )
   return problems
+
+
+def synthesis_split(
+  n: int, split: str = "train", seed: int = 0, families: Sequence[str] | None = None
+) -> list[CodeProblem]:
+  """n problems of one split: the synthesis problems of `seed` in index order, a problem held out for
+  the test split iff crc32(prompt) % 10 == 0 (tasks.is_test_problem), as for the generated tasks."""
+  if split not in SPLITS:
+    raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+  want_test, out, start = split == "test", [], 0
+  while len(out) < n:
+    chunk = max(64, (10 if want_test else 2) * (n - len(out)))
+    problems = synthesis_problems(chunk, seed, families, start=start)
+    out.extend(p for p in problems if is_test_problem(p.prompt) == want_test)
+    start += chunk
+  return out[:n]
+
+
+def _named(problem: CodeProblem, name: str) -> Example:
+  ex = problem.to_example()
+  return dataclasses.replace(ex, metadata={**ex.metadata, "name": name})
+
+
+def code_sources(cfg) -> tuple[list[Example], list[Example]]:
+  """(train, test) Examples of a code task (cfg: a DataConfig with task 'code_synthesis' or 'code_jsonl').
+
+  answer = the hidden tests (what the 'code' verifier runs), target = the reference solution (the SFT
+  target; "" when a JSONL problem has none, so warm-start only on files with references),
+  metadata["name"] = the task id, or file:line for a JSONL problem without one.
+  code_synthesis: num_train / num_test problems of synthesis_split(seed). code_jsonl: every problem of
+  jsonl_train, and of jsonl_test (default: the training file).
+  """
+  if cfg.task == "code_synthesis":
+    return tuple(
+      [_named(p, p.task_id) for p in synthesis_split(n, split, cfg.seed)]
+      for n, split in ((cfg.num_train, "train"), (cfg.num_test, "test"))
+    )
+  if cfg.task != "code_jsonl":
+    raise ValueError(f"not a code task: {cfg.task!r}")
+  load = lambda path: [_named(p, p.task_id or f"{path}:{p.metadata['line']}") for p in load_code_jsonl(path)]
+  train = load(cfg.jsonl_train)
+  return train, load(cfg.jsonl_test) if cfg.jsonl_test else train

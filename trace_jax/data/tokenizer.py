@@ -1,5 +1,9 @@
-"""Tokenizers with one interface: a character tokenizer for the embedded task, and Hugging Face
+"""Tokenizers with one interface: a character tokenizer for the embedded tasks, and Hugging Face
 `tokenizer.json` files through the `tokenizers` package.
+
+Each task's character alphabet: ARITHMETIC_ALPHABET for the arithmetic and running-sum tasks
+(vocabulary 18), CODE_ALPHABET for the code tasks (vocabulary 100); `load_tokenizer(spec, task=)`
+picks it.
 
 The interface (`Tokenizer`) is what the batcher and the rewards need and nothing more: `encode`
 adds no special tokens (the batcher places BOS/EOS itself, so both tokenizers behave the same),
@@ -15,7 +19,11 @@ from typing import Protocol, runtime_checkable
 
 import tokenizers
 
-ARITHMETIC_ALPHABET = "0123456789+-*=;"
+from trace_jax.config import CODE_TASKS
+
+ARITHMETIC_ALPHABET = "0123456789+-*=;"  # the arithmetic and running-sum tasks
+# Python source: newline, tab and the printable ASCII characters (the code tasks; vocabulary 100).
+CODE_ALPHABET = "\n\t" + "".join(map(chr, range(32, 127)))
 
 
 @runtime_checkable
@@ -123,10 +131,17 @@ class HFTokenizer:
     return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
 
-def load_tokenizer(spec: str | os.PathLike | None = None, **special_tokens: str | None) -> Tokenizer:
-  """None or "char": the arithmetic CharTokenizer; otherwise a tokenizer.json file or a folder holding one."""
+def task_alphabet(task: str = "arithmetic") -> str:
+  """The character alphabet of a task (see DataConfig.task): CODE_ALPHABET for the code tasks."""
+  return CODE_ALPHABET if task in CODE_TASKS else ARITHMETIC_ALPHABET
+
+
+def load_tokenizer(
+  spec: str | os.PathLike | None = None, *, task: str = "arithmetic", **special_tokens: str | None
+) -> Tokenizer:
+  """None or "char": the task's CharTokenizer (task_alphabet); otherwise a tokenizer.json file or a folder holding one."""
   if spec is None or spec == "char":
-    return CharTokenizer()
+    return CharTokenizer(task_alphabet(task))
   path = os.fspath(spec)
   if os.path.isdir(path):
     path = os.path.join(path, "tokenizer.json")
