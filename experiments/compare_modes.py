@@ -116,8 +116,7 @@ def final_policy_table(rows: list[dict]) -> str:
   ]
   for r in rows:
     name = "bf16-trained, post-hoc PTQ" if r["mode"] == "bf16" else f"{r['mode']}-trained"
-    if "rl.max_version_diff" in r:
-      name += f", max_version_diff={r['rl.max_version_diff']}"
+    name += "".join(f", {k}={v}" for k, v in r.get("overrides", {}).items() if k != "mode")
     gap = paired(values(r, fp4_key) - values(r, bf16_key))
     if r["mode"] == "bf16":
       vs_ptq = "(reference)"
