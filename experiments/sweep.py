@@ -285,3 +285,38 @@ def markdown(rows: list[dict], metrics: Sequence[str], keys: Sequence[str], head
     cells = [str(r.get(k, r.get("name", ""))) for k in keys] + [format_cell(r, m) for m in metrics]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
+
+
+def final_policy_table(rows: list[dict]) -> str:
+  """The policy each mode trained, evaluated greedily with an FP4 engine (and a BF16 one).
+
+  Differences are paired by seed (every mode of a seed starts from the same SFT policy): the
+  FP4-engine minus BF16-engine accuracy of the same policy, and its FP4-engine accuracy minus
+  that of post-hoc PTQ of the bf16-trained policy; mean ± sample std over seeds.
+  """
+  fp4_key, bf16_key = "final/accuracy_fp4_engine", "final/accuracy_bf16_engine"
+  values = lambda r, k: np.array(r[f"{k}:values"], np.float64)
+  ptq = next((values(r, fp4_key) for r in rows if r["mode"] == "bf16"), None)
+
+  def paired(diff):
+    if not np.isfinite(diff).all():
+      return "n/a"
+    std = f" ± {diff.std(ddof=1):.3f}" if diff.size > 1 else ""
+    return f"{diff.mean():+.3f}{std} ({int((diff > 0).sum())}/{diff.size} seeds > 0)"
+
+  lines = [
+    "| policy | FP4-engine accuracy | BF16-engine accuracy | FP4 - BF16 engine, same policy | "
+    "FP4 engine - PTQ of bf16, same seed |",
+    "|---|---|---|---|---|",
+  ]
+  for r in rows:
+    name = "bf16-trained, post-hoc PTQ" if r["mode"] == "bf16" else f"{r['mode']}-trained"
+    name += "".join(f", {k}={v}" for k, v in r.get("overrides", {}).items() if k != "mode")
+    gap = paired(values(r, fp4_key) - values(r, bf16_key))
+    if r["mode"] == "bf16":
+      vs_ptq = "(reference)"
+    else:
+      vs_ptq = "n/a (no bf16 run)" if ptq is None else paired(values(r, fp4_key) - ptq)
+    cells = [name, format_cell(r, fp4_key), format_cell(r, bf16_key), gap, vs_ptq]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)

@@ -357,3 +357,18 @@ def test_mismatch_by_position_from_synthetic_runs(tmp_path):
   path = plotting.mismatch_by_position_figure(rows, str(tmp_path / "figures"))
   with open(path, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_long_horizon_comparison_smoke(tmp_path):
+  """experiments/long_horizon.py end to end on its smoke base (tiny model, 4 terms, 2 steps, 1 seed)."""
+  from experiments import long_horizon
+
+  args = long_horizon.parse(["--smoke", "--settings=fp4_no_tis,trace", f"--root={tmp_path}"])
+  rows = long_horizon.main(args)
+  assert [r["name"] for r in rows] == ["mode=fp4,rl.tis_cap=0.0", "mode=trace"]
+  assert rows[0]["last:response/length_mean:mean"] > 0
+  assert rows[1]["last:guidance/bytes_per_token:mean"] > 0 == rows[0]["last:guidance/bytes_per_token:mean"]
+  for name in ("table.md", "final_policy.md", "curves.png", "summary.png", "mismatch_by_position.png"):
+    assert (tmp_path / name).exists(), name
+  assert "fp4-trained, rl.tis_cap=0.0" in (tmp_path / "final_policy.md").read_text()
