@@ -26,7 +26,7 @@ from absl import logging
 from tqdm import tqdm
 
 from trace_jax import async_rl, checkpoint, cluster, data, experience, job, model, rl, rollout, sharding, trainer
-from trace_jax.config import DataConfig, QuantConfig, RunConfig
+from trace_jax.config import ConfigError, DataConfig, QuantConfig, RunConfig
 from trace_jax.experience import measured_positions
 from trace_jax.metrics_writer import read_metrics
 
@@ -340,6 +340,12 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
   """
   run = RunConfig.from_config(cfg)
   sharding.initialize_distributed(**dataclasses.asdict(run.distributed))
+  if run.grpo.max_version_diff and jax.process_count() > 1:
+    raise ConfigError(
+      f"rl.max_version_diff={run.grpo.max_version_diff} runs in one process only ({jax.process_count()} here): "
+      "each host's producer thread and trainer would launch collectives in their own order. Use "
+      "rl.max_version_diff=0 across hosts, or one process with several devices."
+    )
   tokenizer, train_source, test_source = load_data(run.data, run.sampling.max_new_tokens)
   run = run.with_tokenizer(tokenizer)
   topology = cluster.Topology.from_config(run.mesh)
