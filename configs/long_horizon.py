@@ -1,7 +1,7 @@
 """Long-horizon RL (issue 16): long responses on the running-sum task, or code with sandboxed rewards.
 
   python -m trace_jax.main --config=configs/long_horizon.py:trace --workdir=/tmp/long_trace
-  python -m trace_jax.main --config=configs/long_horizon.py:qat,terms=64 --workdir=/tmp/long_qat_64
+  python -m trace_jax.main --config=configs/long_horizon.py:qat,terms=26 --workdir=/tmp/long_qat_26
   python -m trace_jax.main --config=configs/long_horizon.py:trace,task=code --workdir=/tmp/code_trace
 
 The argument after ':' is a comma-separated list. A bare word picks the mode (bf16, fp4, qat,
@@ -12,17 +12,18 @@ the lengths (data.max_prompt_len, rollout.max_new_tokens) set to fit. Override a
 (data.check_lengths) with the value to raise it to.
 
 task=long: data.task='running_sum' (trace_jax/data/long_tasks.py). The prompt lists `terms` terms
-of `digits` digits, "3+9+4+...=", and the response writes every partial sum mod 10^digits,
-"3;2;6;...": every response is terms * (digits + 1) tokens with its EOS, 64 at the default
-terms=32, digits=1 (terms=16: 32 tokens, 64: 128, 128: 256). The final answer is the last partial
-sum; reward: 1 for it (the 'exact' verifier) + 0.1 for a well-formed finished response;
---config.reward.partial_credit=True pays the share of partial sums right, in place, when the
-final one is wrong (evaluation then reports the mean partial score, not accuracy).
-  terms   the horizon: response length (and prompt length) grow linearly with it; the chance of
-          getting every step right falls about geometrically with it.
-  digits  the work per step: 1 is a table lookup (a + b mod 10), 2 an addition with a carry.
+of `digits` digits, each with a blank, "47__;12__;85__;...=", and the response fills the blanks with
+the partial sums mod 10^digits, "4747;1259;8544;...": every response is terms * (2 * digits + 1)
+tokens with its EOS, 65 at the default terms=13, digits=2 (terms=7: 35, 26: 130, 52: 260). The
+final answer is the last step; reward: 1 for it (the 'exact' verifier) + 0.1 for a well-formed
+finished response; --config.reward.partial_credit=True pays the share of steps right, in place,
+when the final one is wrong (evaluation then reports the mean partial score, not accuracy).
+  terms   the horizon: response and prompt length grow linearly with it; the chance of getting
+          every step right falls about geometrically with it.
+  digits  the work per step: 1 is a sum mod 10 (learnt to 100% at 22 terms), 2 an addition with
+          a carry, 3 two carries.
 The model is the `tiny` preset (4 layers, 8 experts, hidden 64) with room for the positions; SFT
-warm start: sft.steps on the task (cache it across modes and seeds of a comparison with
+warm start: sft.steps on the task (cache it across the modes of a comparison with
 --config.sft.cache_dir=...), then `steps` GRPO steps of batch_prompts x rl.num_generations.
 
 task=code: data.task='code_synthesis' (trace_jax/data/code_tasks.py): the prompt shows three
@@ -42,7 +43,7 @@ from trace_jax.data.long_tasks import RunningSumTask
 
 TASKS = ("long", "code")
 KEYS = ("mode", "model", "task", "terms", "digits")
-DEFAULT_TERMS, DEFAULT_DIGITS = 32, 1
+DEFAULT_TERMS, DEFAULT_DIGITS = 13, 2
 
 
 def parse_arg(arg: str) -> dict[str, str]:

@@ -17,10 +17,10 @@ from trace_jax import data, train
 from trace_jax.config import ConfigError, DataConfig, RewardConfig, RunConfig
 from trace_jax.data.code_tasks import SAMPLE_PATH
 from trace_jax.data.long_tasks import RunningSumTask, mean_target_tokens, running_sum_example
-from trace_jax.data.tokenizer import ARITHMETIC_ALPHABET, CODE_ALPHABET
+from trace_jax.data.tokenizer import ARITHMETIC_ALPHABET, CODE_ALPHABET, RUNNING_SUM_ALPHABET
 from trace_jax.metrics_writer import read_metrics
 
-TOK = data.CharTokenizer()
+TOK = data.CharTokenizer(RUNNING_SUM_ALPHABET)
 CODE_TOK = data.CharTokenizer(CODE_ALPHABET)
 
 
@@ -38,18 +38,19 @@ def rows(texts, tokenizer=TOK, eos=True):
 # --- the running sum ------------------------------------------------------------------------
 
 
-def test_running_sum_example_writes_every_partial_sum_mod_10_to_the_digits():
+def test_running_sum_example_fills_each_blank_with_the_partial_sum():
   ex = running_sum_example([47, 12, 85, 30], digits=2)
-  assert (ex.prompt, ex.target, ex.answer, ex.difficulty) == ("47+12+85+30=", "47;59;44;74", "47;59;44;74", 4)
+  assert (ex.prompt, ex.target, ex.difficulty) == ("47__;12__;85__;30__=", "4747;1259;8544;3074", 4)
+  assert ex.answer == ex.target
   ex = running_sum_example([3, 9, 0, 8], digits=1)
-  assert (ex.prompt, ex.target) == ("3+9+0+8=", "3;2;2;0")
-  assert running_sum_example([5, 7], digits=3).prompt == "005+007="  # fixed width: a constant stride
+  assert (ex.prompt, ex.target) == ("3_;9_;0_;8_=", "33;92;02;80")
+  assert running_sum_example([5, 7], digits=3).target == "005005;007012"  # fixed width: a constant stride
   with pytest.raises(ValueError, match="terms must lie in"):
     running_sum_example([10], digits=1)
 
 
 def test_running_sum_is_deterministic_and_splits_by_crc32():
-  task = RunningSumTask(terms=8, digits=1)
+  task = RunningSumTask(terms=8, digits=2)
   train_a, train_b = task.generate(0, 300), task.generate(0, 300)
   assert train_a == train_b
   assert task.generate(1, 300) != train_a
@@ -57,8 +58,10 @@ def test_running_sum_is_deterministic_and_splits_by_crc32():
   assert all(data.is_test_problem(ex.prompt) for ex in test_0 + test_1)  # seed-independent rule
   assert not any(data.is_test_problem(ex.prompt) for ex in train_a)
   for ex in train_a[:50]:  # the targets are what they claim
-    terms = [int(t) for t in ex.prompt[:-1].split("+")]
-    assert ex.target.split(";") == [str(s % 10) for s in np.cumsum(terms)]
+    terms = [int(t.rstrip("_=")) for t in ex.prompt.split(";")]
+    steps = ex.target.split(";")
+    assert [int(step[:2]) for step in steps] == terms
+    assert [int(step[2:]) for step in steps] == [s % 100 for s in np.cumsum(terms)]
   with pytest.raises(ValueError, match="terms"):
     RunningSumTask(terms=1)
   with pytest.raises(ValueError, match="split"):
@@ -66,55 +69,57 @@ def test_running_sum_is_deterministic_and_splits_by_crc32():
 
 
 def test_response_length_scales_with_the_terms():
-  """The knob: mean SFT target length in tokens (EOS included) for three settings."""
+  """The knob: mean SFT target length in tokens (EOS included) for three settings, and one more digit."""
   measured = {}
-  for terms, digits in ((16, 1), (32, 1), (128, 1), (22, 2)):
+  for terms, digits in ((7, 2), (13, 2), (52, 2), (22, 1)):
     task = RunningSumTask(terms, digits)
     measured[(terms, digits)] = mean_target_tokens(task.generate(0, 200), TOK)
     longest = task.longest_example()
-    assert len(TOK.encode(longest.target)) + 1 == measured[(terms, digits)] == terms * (digits + 1)
+    assert len(TOK.encode(longest.target)) + 1 == measured[(terms, digits)] == terms * (2 * digits + 1)
+    assert len(TOK.encode(longest.prompt)) == measured[(terms, digits)]  # and the prompt, without BOS
   print(f"\nmean response tokens by (terms, digits): {measured}")
-  assert measured[(16, 1)] == 32 and measured[(32, 1)] == 64 and measured[(128, 1)] == 256
+  assert measured[(7, 2)] == 35 and measured[(13, 2)] == 65 and measured[(52, 2)] == 260
 
 
 # --- rewards --------------------------------------------------------------------------------
 
 
 def test_exact_verifier_on_running_sums_with_partial_credit():
-  answer = "3;2;2;0"
-  ex = {"prompt": "3+9+0+8=", "answer": answer}
+  ex = running_sum_example([3, 9, 0, 8], digits=1)  # "3_;9_;0_;8_=" -> "33;92;02;80"
   plain, partial = RewardConfig(), RewardConfig(partial_credit=True)
   cases = [  # response, reward, reward with partial credit
-    ("3;2;2;0", 1.1, 1.1),
-    ("3;2;2;5", 0.1, 0.1 + 3 / 4),  # the last step wrong
-    ("3;7;2;0", 1.1, 1.1),  # the final answer decides correctness
-    ("3;7;7;5", 0.1, 0.1 + 1 / 4),
-    ("3;2", 0.1, 0.1 + 2 / 4),  # stopped early: the final answer is missing
-    ("3;2;2;0;0", 1.0, 1.0),  # one step too many (more ';' than the answer): malformed
-    ("3;2;;0", 1.0, 1.0),  # an empty step is malformed
-    ("0", 1.1, 1.1),  # the right final answer without steps: correct and well formed
+    ("33;92;02;80", 1.1, 1.1),
+    ("33;92;02;85", 0.1, 0.1 + 3 / 4),  # the last step wrong
+    ("33;97;02;80", 1.1, 1.1),  # the final result decides correctness
+    ("33;97;07;85", 0.1, 0.1 + 1 / 4),
+    ("33;92", 0.1, 0.1 + 2 / 4),  # stopped early: the final result is missing
+    ("33;92;02;80;80", 1.0, 1.0),  # one step too many (more ';' than the answer): malformed
+    ("33;92;;80", 1.0, 1.0),  # an empty step is malformed
+    ("33;92;0_;80", 1.0, 1.0 + 0.0),  # a blank left in: malformed, and that step wrong
+    ("80", 1.1, 1.1),  # the right final result without steps: correct and well formed
   ]
   for text, want, want_partial in cases:
-    assert data.reward_fn(ex, text, config=plain) == pytest.approx(want), text
-    assert data.reward_fn(ex, text, config=partial) == pytest.approx(want_partial), text
+    assert data.reward_fn(ex, text, tokenizer=TOK, config=plain) == pytest.approx(want), text
+    assert data.reward_fn(ex, text, tokenizer=TOK, config=partial) == pytest.approx(want_partial), text
   # batch_rewards (vectorized for the character tokenizer) equals reward_fn row by row
-  texts = [c[0] for c in cases] + ["3;2;2;0;1;2;3;4;5", "x", ""]
-  responses = rows([t.replace("x", "+") for t in texts])
+  texts = [c[0] for c in cases] + ["33;92;02;80;1;2;3;4;5", "3_;9_", ""]
+  responses = rows(texts)
   for config in (plain, partial, RewardConfig(partial_credit=True, format_reward=0.0, correct_reward=2.0)):
-    got = data.batch_rewards([answer] * len(texts), responses, TOK, config)
+    got = data.batch_rewards([ex.answer] * len(texts), responses, TOK, config)
     want = [data.reward_fn(ex, r, tokenizer=TOK, config=config) for r in responses]
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_arithmetic_rewards_are_unchanged_by_partial_credit():
   """The arithmetic task's answers hold only the final result: partial credit adds nothing."""
+  tok = data.CharTokenizer()
   examples = data.ArithmeticTask((1, 2, 3, 4)).generate(0, 32)
   texts = [t for ex in examples for t in (ex.target, ex.target + "1", "1;2;" + ex.answer)]
   answers = [ex.answer for ex in examples for _ in range(3)]
-  responses = rows(texts)
+  responses = rows(texts, tok)
   np.testing.assert_allclose(
-    data.batch_rewards(answers, responses, TOK, RewardConfig(partial_credit=True)),
-    data.batch_rewards(answers, responses, TOK, RewardConfig()),
+    data.batch_rewards(answers, responses, tok, RewardConfig(partial_credit=True)),
+    data.batch_rewards(answers, responses, tok, RewardConfig()),
   )
   assert data.reward_fn(examples[0], "1;2;" + examples[0].answer) == pytest.approx(1.0)  # two steps: malformed
 
@@ -215,19 +220,19 @@ def test_code_sources_and_tokenizer():
 
 def test_load_data_picks_source_and_tokenizer_by_task(tmp_path):
   cfg = DataConfig(
-    task="running_sum", sum_terms=6, term_digits=2, num_train=30, num_test=5, max_prompt_len=19, data_dir=str(tmp_path)
+    task="running_sum", sum_terms=6, term_digits=2, num_train=30, num_test=5, max_prompt_len=31, data_dir=str(tmp_path)
   )
-  tokenizer, train_src, test_src = train.load_data(cfg, max_new_tokens=18)
-  assert tokenizer.alphabet == ARITHMETIC_ALPHABET and (len(train_src), len(test_src)) == (30, 5)
+  tokenizer, train_src, test_src = train.load_data(cfg, max_new_tokens=30)
+  assert tokenizer.alphabet == RUNNING_SUM_ALPHABET and (len(train_src), len(test_src)) == (30, 5)
   assert data.as_example(train_src[0]) == RunningSumTask(6, 2).generate(0, 1)[0]
   with pytest.raises(
-    ConfigError, match=r"^config\.rollout\.max_new_tokens: answers of the running sum of 6 2-digit terms need 18"
+    ConfigError, match=r"^config\.rollout\.max_new_tokens: answers of the running sum of 6 2-digit terms need 30"
   ):
-    train.load_data(cfg, max_new_tokens=17)
-  with pytest.raises(ConfigError, match=r"^config\.data\.max_prompt_len: prompts of the running sum .* need 19"):
-    train.load_data(dataclasses.replace(cfg, max_prompt_len=18), max_new_tokens=18)
+    train.load_data(cfg, max_new_tokens=29)
+  with pytest.raises(ConfigError, match=r"^config\.data\.max_prompt_len: prompts of the running sum .* need 31"):
+    train.load_data(dataclasses.replace(cfg, max_prompt_len=30), max_new_tokens=30)
   assert data.load_tokenizer(task="code_jsonl").alphabet == CODE_ALPHABET
-  assert data.load_tokenizer().alphabet == data.task_alphabet("running_sum") == ARITHMETIC_ALPHABET
+  assert data.load_tokenizer().alphabet == data.task_alphabet("arithmetic") == ARITHMETIC_ALPHABET
 
 
 # --- config validation ----------------------------------------------------------------------
@@ -262,7 +267,7 @@ def test_reward_config_and_verifier_task_fit():
 
 
 def test_long_horizon_config():
-  for arg in ("trace", "qat,terms=64", "bf16,model=tiny,terms=16,digits=2", "trace,task=code"):
+  for arg in ("trace", "qat,terms=26", "bf16,model=tiny,terms=22,digits=1", "trace,task=code"):
     cfg = long_horizon.get_config(arg)
     run = RunConfig.from_config(cfg)
     tokenizer = data.load_tokenizer(task=run.data.task)

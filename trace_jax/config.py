@@ -563,20 +563,21 @@ class DataConfig:
   """The task, its size and knobs, the tokenizer and the prompt length.
 
   task: 'arithmetic' (levels 1-4; or {"prompt", "answer"} JSONL lines when jsonl_train is set),
-    'running_sum' (long responses: every partial sum of sum_terms terms of term_digits digits is
-    written out; data/long_tasks.py), 'code_synthesis' (write f from 3 input/output pairs; hidden
-    tests run in the sandbox), 'code_jsonl' (MBPP/HumanEval-style problems from jsonl_train /
+    'running_sum' (long responses: the prompt's sum_terms terms of term_digits digits, each with a
+    blank that the response fills with the partial sum; data/long_tasks.py), 'code_synthesis'
+    (write f from 3 input/output pairs; hidden tests run in the sandbox), 'code_jsonl' (MBPP/HumanEval-style problems from jsonl_train /
     jsonl_test). The code tasks need reward.verifier='code' and a model.vocab_size >= 100 (their
     character tokenizer covers printable ASCII).
-  levels: the arithmetic task's levels. sum_terms: the running sum's length knob (~4 response
-    tokens per term with 2-digit terms: 8 -> ~32, 16 -> ~65, 64 -> ~300). term_digits: digits per term.
+  levels: the arithmetic task's levels. sum_terms: the running sum's horizon (every response is
+    sum_terms * (2 * term_digits + 1) tokens: 13 -> 65 at 2 digits). term_digits: digits per term
+    (the work per step: 1 a sum mod 10, 2 an addition with a carry).
   num_train / num_test / seed: the generated tasks' sizes and generator seed (code_synthesis too).
   """
 
   task: str = "arithmetic"
   tokenizer: str = ""  # '' = the task's character tokenizer; or a tokenizer.json path
   levels: tuple[int, ...] = (1, 2)
-  sum_terms: int = 16
+  sum_terms: int = 13
   term_digits: int = 2
   num_train: int = 20_000
   num_test: int = 1_000

@@ -65,6 +65,7 @@ from trace_jax.data.tfds_builder import (
 from trace_jax.data.tokenizer import (
   ARITHMETIC_ALPHABET,
   CODE_ALPHABET,
+  RUNNING_SUM_ALPHABET,
   CharTokenizer,
   HFTokenizer,
   Tokenizer,
@@ -75,6 +76,7 @@ from trace_jax.data.tokenizer import (
 __all__ = [
   "ARITHMETIC_ALPHABET",
   "CODE_ALPHABET",
+  "RUNNING_SUM_ALPHABET",
   "LEVELS",
   "ArithmeticConfig",
   "ArithmeticTask",

@@ -1,26 +1,31 @@
 """Long-response tasks: a running sum that writes every partial sum (issue 16).
 
-    prompt  "3+9+0+8="          (n terms of `digits` digits, zero-padded)
-    target  "3;2;2;0"           (s_1; s_2; ...; s_n with s_k = a_1 + ... + a_k mod 10^digits,
-                                 zero-padded to `digits` digits)
-    answer  "3;2;2;0"           (the same: the exact verifier checks the number after the last
-                                 ';'; partial credit counts the partial sums right in place)
+    prompt  "47__;12__;85__;30__="   (n terms of `digits` digits, each followed by a blank for its
+                                      partial sum)
+    target  "4747;1259;8544;3074"    (the prompt with the blanks filled: each term, then the partial
+                                      sum s_k = a_1 + ... + a_k mod 10^digits, zero-padded)
+    answer  the target: the exact verifier checks the last result ("3074": term and final sum);
+            partial credit counts the results right in place.
 
-Why this form. Every step is one small addition: the previous partial sum, which the response
-wrote just before, plus the k-th term of the prompt. Terms and partial sums have the same fixed
-width, so the k-th term sits at a constant distance (the prompt's length) before the k-th partial
-sum: the model finds it with relative-position attention instead of counting terms. Without that
-(plain decimal sums of growing width), a 4-layer tiny MoE after 600 SFT steps wrote the format
-but added a typical term instead of the right one (4.7% final accuracy at 8 terms), and 3-digit
-additions of two earlier results (a Fibonacci-like chain) were not learnt at all in 600 steps.
-The final answer needs every step right, so accuracy falls about geometrically with n, which is
-what makes the horizon matter; partial credit keeps a reward gradient where the exact answer is
-rarely right.
+Why this form. Each step adds the term just written to the partial sum written one step before:
+local operands, one small addition. The response copies the prompt except in the blanks, so the
+term of step k sits at a constant distance (the prompt's length) before it, and that copy is
+supervised on most tokens: a 4-layer tiny MoE learns it. Measured after SFT (batch 64, lr 3e-3,
+BF16 greedy accuracy on 256 held-out problems, the `tiny` preset):
+  - this form, digits=1, 22 terms (66 response tokens), 1000 steps: 100% (a table of sums mod 10
+    is too easy: use digits=2)
+  - this form, digits=2, 13 terms (65 tokens), 1000 steps: see configs/long_horizon.py
+  - without the echo ("3+9+0+8=" -> "3;2;2;0", sums mod 10): 1200 steps at 16 terms, 2000 at 32:
+    final answers at chance (11%), partial sums right in place 64% / 40%, the first error at step
+    9-10 (the model has to find term k by position, unsupervised); plain decimal sums of 2-digit
+    terms, 600 steps at 8 terms: 4.7%.
+The final answer needs every step right, so accuracy falls about geometrically with n: that is
+what makes the horizon matter, and partial credit keeps a reward gradient where it is rarely right.
 
-The knobs. `terms` (n) is the horizon: every response is n * (digits + 1) tokens with its EOS
-(digits=1: n = 16 -> 32 tokens, 32 -> 64, 64 -> 128, 128 -> 256; `mean_target_tokens` measures
-it), and so is every prompt with its BOS. `digits` sets the work per step: 1 is a table of 100
-sums mod 10, 2 an addition mod 100 with a carry from the units.
+The knobs. `terms` (n) is the horizon: every response is n * (2 * digits + 1) tokens with its EOS
+(digits=2: n = 7 -> 35 tokens, 13 -> 65, 26 -> 130, 52 -> 260; `mean_target_tokens` measures
+it); every prompt is as long without its BOS. `digits` sets the work per step: 1 is a table of 100
+sums mod 10, 2 an addition mod 100 with a carry from the units, 3 two carries.
 
 Held-out problems: as for the arithmetic task, a problem belongs to the test split iff
 crc32(prompt) % 10 == 0 (tasks.is_test_problem), whatever the seed. There are 10^(n * digits)
@@ -39,23 +44,27 @@ MAX_TERMS = 256
 MAX_DIGITS = 6
 
 
+BLANK = "_"  # a partial sum's place in the prompt (the running sum's alphabet: ARITHMETIC_ALPHABET + BLANK)
+
+
 def running_sum_example(terms: list[int] | tuple[int, ...], digits: int) -> Example:
-  """The example of one list of terms (difficulty = the number of terms): every term and partial
-  sum mod 10^digits, written with exactly `digits` digits."""
+  """The example of one list of terms (difficulty = the number of terms); terms and partial sums
+  mod 10^digits are written with exactly `digits` digits."""
   mod = 10**digits
   if any(not 0 <= t < mod for t in terms):
     raise ValueError(f"terms must lie in [0, {mod}), got {terms}")
   sums = (np.cumsum(np.asarray(terms, np.int64)) % mod).tolist()
-  spell = lambda values: [str(v).zfill(digits) for v in values]
-  steps = STEP_SEPARATOR.join(spell(sums))
-  return Example(prompt="+".join(spell(terms)) + "=", answer=steps, target=steps, difficulty=len(terms))
+  spell = lambda value: str(value).zfill(digits)
+  prompt = STEP_SEPARATOR.join(spell(a) + BLANK * digits for a in terms) + "="
+  steps = STEP_SEPARATOR.join(spell(a) + spell(s) for a, s in zip(terms, sums))
+  return Example(prompt=prompt, answer=steps, target=steps, difficulty=len(terms))
 
 
 @dataclasses.dataclass(frozen=True)
 class RunningSumTask:
   """The running-sum generator: `terms` terms of `digits` digits per problem (see module doc)."""
 
-  terms: int = 16
+  terms: int = 13
   digits: int = 2
 
   def __post_init__(self):

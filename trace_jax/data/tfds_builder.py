@@ -103,7 +103,7 @@ class TraceArithmetic(_TaskBuilder):
 class RunningSumConfig(tfds.core.BuilderConfig):
   """Terms per problem, digits per term, how many examples per split, and the generator seed."""
 
-  terms: int = 16
+  terms: int = 13
   digits: int = 2
   num_train: int = 20_000
   num_test: int = 1_000
@@ -119,9 +119,12 @@ class RunningSumConfig(tfds.core.BuilderConfig):
 class TraceRunningSum(_TaskBuilder):
   """tfds name "trace_running_sum": the long-response running sum (data/long_tasks.py)."""
 
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "Running sums of n d-digit terms, every partial sum written; crc32 held-out problems."}
-  BUILDER_CONFIGS = [RunningSumConfig.named(terms, 2, 20_000, 1_000, 0) for terms in (8, 16, 32, 64)]
+  VERSION = tfds.core.Version("2.0.0")
+  RELEASE_NOTES = {
+    "1.0.0": "Running sums of n d-digit terms, every partial sum written; crc32 held-out problems.",
+    "2.0.0": "The prompt has a blank per term; the response writes each term with its partial sum.",
+  }
+  BUILDER_CONFIGS = [RunningSumConfig.named(terms, 2, 20_000, 1_000, 0) for terms in (7, 13, 26, 52)]
   DEFAULT_CONFIG_NAME = BUILDER_CONFIGS[1].name
 
   def _examples(self, split: str, num_examples: int) -> list[Example]:
@@ -161,7 +164,7 @@ def arithmetic_source(split: str = "train", **build_kwargs: Any) -> DataSource:
 
 def build_running_sum_dataset(
   data_dir: str | os.PathLike | None = None,
-  terms: int = 16,
+  terms: int = 13,
   digits: int = 2,
   num_train: int = 20_000,
   num_test: int = 1_000,

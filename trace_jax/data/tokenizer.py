@@ -1,9 +1,9 @@
 """Tokenizers with one interface: a character tokenizer for the embedded tasks, and Hugging Face
 `tokenizer.json` files through the `tokenizers` package.
 
-Each task's character alphabet: ARITHMETIC_ALPHABET for the arithmetic and running-sum tasks
-(vocabulary 18), CODE_ALPHABET for the code tasks (vocabulary 100); `load_tokenizer(spec, task=)`
-picks it.
+Each task's character alphabet: ARITHMETIC_ALPHABET for the arithmetic task (vocabulary 18),
+RUNNING_SUM_ALPHABET for the running sum (19), CODE_ALPHABET for the code tasks (100);
+`load_tokenizer(spec, task=)` picks it.
 
 The interface (`Tokenizer`) is what the batcher and the rewards need and nothing more: `encode`
 adds no special tokens (the batcher places BOS/EOS itself, so both tokenizers behave the same),
@@ -21,7 +21,8 @@ import tokenizers
 
 from trace_jax.config import CODE_TASKS
 
-ARITHMETIC_ALPHABET = "0123456789+-*=;"  # the arithmetic and running-sum tasks
+ARITHMETIC_ALPHABET = "0123456789+-*=;"  # the arithmetic task
+RUNNING_SUM_ALPHABET = ARITHMETIC_ALPHABET + "_"  # the running sum: '_' marks a blank to fill
 # Python source: newline, tab and the printable ASCII characters (the code tasks; vocabulary 100).
 CODE_ALPHABET = "\n\t" + "".join(map(chr, range(32, 127)))
 
@@ -132,8 +133,10 @@ class HFTokenizer:
 
 
 def task_alphabet(task: str = "arithmetic") -> str:
-  """The character alphabet of a task (see DataConfig.task): CODE_ALPHABET for the code tasks."""
-  return CODE_ALPHABET if task in CODE_TASKS else ARITHMETIC_ALPHABET
+  """The character alphabet of a task (see DataConfig.task)."""
+  if task in CODE_TASKS:
+    return CODE_ALPHABET
+  return RUNNING_SUM_ALPHABET if task == "running_sum" else ARITHMETIC_ALPHABET
 
 
 def load_tokenizer(
