@@ -635,15 +635,20 @@ def test_a_workdir_of_another_config_is_refused_untouched(reference, data_dir, t
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data_dir, tmp_path, monkeypatch, no_eval):
   """NaN rewards from step 3 on make the loss NaN: the update is skipped, the run stops with a
   FloatingPointError naming the step-2 checkpoint, which stays on disk."""
-  rewards = train.data.batch_rewards
+  make_reward_fn = train.data.make_reward_fn
   calls = []
 
-  def nan_from_step_3(answers, *args, **kwargs):
-    calls.append(1)
-    out = rewards(answers, *args, **kwargs)
-    return out * np.nan if len(calls) >= 3 else out
+  def nan_from_step_3(*args, **kwargs):
+    reward_fn = make_reward_fn(*args, **kwargs)
 
-  monkeypatch.setattr(train.data, "batch_rewards", nan_from_step_3)
+    def rewards(answers, responses):
+      calls.append(1)
+      out, invalid = reward_fn(answers, responses)
+      return (out * np.nan if len(calls) >= 3 else out), invalid
+
+    return rewards
+
+  monkeypatch.setattr(train.data, "make_reward_fn", nan_from_step_3)
   cfg = tiny_config(data_dir)
   with pytest.raises(FloatingPointError, match=r"step 3.*last good checkpoint is step 2") as e:
     train.train_and_evaluate(cfg, str(tmp_path))
