@@ -22,9 +22,15 @@ when the final one is wrong (evaluation then reports the mean partial score, not
           every step right falls about geometrically with it.
   digits  the work per step: 1 is a sum mod 10 (learnt to 100% at 22 terms), 2 an addition with
           a carry, 3 two carries.
-The model is the `tiny` preset (4 layers, 8 experts, hidden 64) with room for the positions; SFT
-warm start: sft.steps on the task (cache it across the modes of a comparison with
---config.sft.cache_dir=...), then `steps` GRPO steps of batch_prompts x rl.num_generations.
+The model is the `tiny` preset (4 layers, 8 experts, hidden 64) with room for the positions. SFT
+warm start: 1000 steps of 64 (about 11 min on 2 CPU cores; share it between the modes of a
+comparison with --config.sft.cache_dir=...), after which the BF16 policy is measured at 99.6-100%
+greedy accuracy on held-out problems (seeds 0 and 1; 100% of responses sampled at temperature 1 for
+seed 1): RL then starts from a policy that has learnt the task, and what the FP4 modes have to do
+is keep (and, under their FP4 rollouts, regain) that reward over 65-token responses. For a policy
+that must still learn, stop SFT before the addition is learnt (sft.steps=500: 2.7% exact, 12% of
+steps right) and train on --config.reward.partial_credit=True; see data/long_tasks.py for the
+measurements. Then `steps` GRPO steps of batch_prompts x rl.num_generations.
 
 task=code: data.task='code_synthesis' (trace_jax/data/code_tasks.py): the prompt shows three
 input/output asserts of a function f (x + k, x % k, max(x), sorted(x), ...), the response writes f,
@@ -76,7 +82,7 @@ def long_task(c: ml_collections.ConfigDict, terms: int, digits: int) -> None:
   c.model.max_position_embeddings = max(
     c.model.max_position_embeddings, c.data.max_prompt_len + c.rollout.max_new_tokens
   )
-  c.sft.steps = 600
+  c.sft.steps = 1000  # the addition is learnt between 700 and 1000 steps (data/long_tasks.py)
   c.sft.batch_size = 64
   c.steps = 100
   c.batch_prompts = 8
