@@ -128,7 +128,7 @@ def evaluate(params, run: RunConfig, quant: QuantConfig | None, tokenizer, sourc
     expert_parallel=topology.rollout_expert_parallel,
   )
   responses = sharding.to_host(res.tokens)[:, b.tokens.shape[1] :]
-  correct = dataclasses.replace(run.reward, correct_reward=1.0, format_reward=0.0)
+  correct = dataclasses.replace(run.reward, correct_reward=1.0, format_reward=0.0, partial_credit=False)
   return float(np.mean(data.batch_rewards(b.answers, responses, tokenizer, correct)))
 
 
