@@ -173,7 +173,7 @@ def layer_profile(ax, rows: Sequence[dict], *, label="mode", prefix: str = "agre
   ax.grid(alpha=0.3)
 
 
-POSITION_BIN = re.compile(r"/pos(\d+)-(\d+)$")  # rl.position_bin_names
+POSITION_BIN = re.compile(r"/(?:pos(\d+)-\d+|len(\d+))$")  # rl.position_bin_names, rl.prefix_lengths
 
 
 def late_by_position(
@@ -181,7 +181,8 @@ def late_by_position(
 ) -> dict[int, list[float]]:
   """{bin start: [one value per run]}: each run's mean of `<prefix><metric>/pos<start>-<end>` over
   its last `fraction` of steps (NaN steps, i.e. empty bins, skipped; runs without the bin left out).
-  prefix `mismatch/quant_part/by_position/` for the quantization part of asynchronous runs."""
+  prefix `mismatch/quant_part/by_position/` for the quantization part of asynchronous runs;
+  `mismatch/by_length/` for the prefix metrics (`.../len<L>`: keyed by L)."""
   out: dict[int, list[float]] = {}
   for workdir in workdirs:
     rows = read_metrics(workdir)
@@ -190,7 +191,7 @@ def late_by_position(
       for key, value in row.items():
         match = POSITION_BIN.search(key)
         if match and key.startswith(f"{prefix}{metric}/") and value is not None and np.isfinite(value):
-          per_bin.setdefault(int(match.group(1)), []).append(value)
+          per_bin.setdefault(int(match.group(1) or match.group(2)), []).append(value)
     for start, values in per_bin.items():
       out.setdefault(start, []).append(float(np.mean(values)))
   return dict(sorted(out.items()))
@@ -228,7 +229,7 @@ def mismatch_by_position(
   ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
   if logy:
     ax.set_yscale("log")
-  ax.set_xlabel("response position (bin start)")
+  ax.set_xlabel("response length L (first L tokens)" if "by_length" in prefix else "response position (bin start)")
   ax.set_title(title or f"late {prefix}{metric}")
   ax.grid(alpha=0.3)
 
@@ -236,13 +237,22 @@ def mismatch_by_position(
 def mismatch_by_position_figure(
   rows: Sequence[dict], out_dir: str, *, label="mode", name: str = "mismatch_by_position.png"
 ) -> str:
-  """`name` under `out_dir`: late |logp_train - logp_rollout| and TIS weight against the response
-  position, one line per row (mode); returns its path."""
+  """`name` under `out_dir`, one line per row (mode); returns its path. Top: late |logp_train -
+  logp_rollout| and TIS weight against the response position. Bottom: how the sequence-level ratio
+  grows with length, |sum of the first L log-ratios| and the share of sequences whose ratio over
+  their first L tokens leaves [0.5, 2] (rl.position_mismatch_metrics)."""
   os.makedirs(out_dir, exist_ok=True)
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-  mismatch_by_position(axes[0], rows, label, "logp_diff_mean", logy=True, title="|logp_train - logp_rollout|")
-  mismatch_by_position(axes[1], rows, label, "tis_weight_mean", title="TIS weight")
-  axes[0].legend(fontsize=8)
+  fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+  mismatch_by_position(axes[0, 0], rows, label, "logp_diff_mean", logy=True, title="|logp_train - logp_rollout|")
+  mismatch_by_position(axes[0, 1], rows, label, "tis_weight_mean", title="TIS weight")
+  by_length = dict(prefix="mismatch/by_length/")
+  mismatch_by_position(
+    axes[1, 0], rows, label, "log_ratio_abs_mean", logy=True, title="|sequence log-ratio| over the first L tokens", **by_length
+  )
+  mismatch_by_position(
+    axes[1, 1], rows, label, "ratio_outside_0.5_2", title="sequences with ratio outside [0.5, 2]", **by_length
+  )
+  axes[0, 0].legend(fontsize=8)
   fig.suptitle("mismatch by response position: mean of the last 20% of steps, over seeds (shaded: min..max)")
   return _save(fig, out_dir, name)
 

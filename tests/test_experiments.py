@@ -328,6 +328,9 @@ def test_mismatch_by_position_from_synthetic_runs(tmp_path):
           for i, name in enumerate(["pos000-007", "pos008-015", "pos016-031"]):
             value = base + scale * (i + 1) * step
             row[f"mismatch/by_position/{stat}/{name}"] = None if (i == 2 and step == 10) else value  # empty bin
+        for length in (8, 16, 32):
+          row[f"mismatch/by_length/log_ratio_abs_mean/len{length:03d}"] = scale * length
+          row[f"mismatch/by_length/ratio_outside_0.5_2/len{length:03d}"] = min(1.0, scale * length * 10)
         f.write(json.dumps(row) + "\n")
 
   rows = []
@@ -353,6 +356,10 @@ def test_mismatch_by_position_from_synthetic_runs(tmp_path):
   np.testing.assert_allclose(y[1], 1.0 + 1.5 * 2e-4 * 9.5)  # trace, [8, 16): the mean over both seeds
   assert ax.get_xscale() == "symlog"
   plt.close(fig)
+
+  by_length = plotting.late_by_position(rows[1]["workdirs"], "log_ratio_abs_mean", prefix="mismatch/by_length/")
+  assert list(by_length) == [8, 16, 32]  # keyed by the prefix length L
+  np.testing.assert_allclose(by_length[32], [1e-4 * 32, 2e-4 * 32])  # seeds 0 and 1
 
   path = plotting.mismatch_by_position_figure(rows, str(tmp_path / "figures"))
   with open(path, "rb") as f:

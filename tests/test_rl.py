@@ -426,6 +426,20 @@ def np_position_mismatch(train_logp, rollout_logp, mask, tis_cap, edges):
   )
 
 
+def np_prefix_mismatch(train_logp, rollout_logp, mask, length):
+  """Over the sequences with >= `length` response tokens: mean |sum of their first `length` log-ratios|
+  and the share of those sums outside [log 0.5, log 2], in float64 (NaN, NaN if there are none)."""
+  sums = []
+  for t_row, r_row, m_row in zip(train_logp.astype(np.float64), rollout_logp.astype(np.float64), mask):
+    diffs = (t_row - r_row)[m_row]
+    if len(diffs) >= length:
+      sums.append(diffs[:length].sum())
+  if not sums:
+    return float("nan"), float("nan")
+  sums = np.array(sums)
+  return float(np.abs(sums).mean()), float(np.mean(np.abs(sums) > np.log(2.0)))
+
+
 def ragged_position_inputs(seed=0, n=12, t=80, spread=0.12, padding=-100.0):
   """Left-padded prompts of 2..12 tokens, responses of 0..60 tokens (then padding): no response
   reaches position 64, so the last bin of T=80 ([64, 128)) is empty; one sequence has no response.
@@ -452,6 +466,9 @@ def test_position_bins_are_static_powers_of_two_with_sorting_names():
   assert rl.position_bin_names(513)[:2] == ["pos0000-0007", "pos0008-0015"]  # a 4-digit end widens every name
   names = rl.position_bin_names(2000)
   assert names[0] == "pos0000-0007" and names[-1] == "pos1024-2047" and sorted(names) == names
+  assert rl.prefix_lengths(80) == [(8, "len008"), (16, "len016"), (32, "len032"), (64, "len064")]
+  assert rl.prefix_lengths(64)[-1] == (64, "len064") and rl.prefix_lengths(7) == []
+  assert [n for _, n in rl.prefix_lengths(1024)][-2:] == ["len0512", "len1024"]
 
 
 @pytest.mark.parametrize("tis_cap", [1.1, 0.0])
@@ -468,7 +485,14 @@ def test_position_mismatch_metrics_against_numpy(tis_cap):
     "mismatch/seq_log_ratio_mean",
     "mismatch/seq_log_ratio_abs_mean",
     "mismatch/seq_ratio_outside_0.5_2",
+    *(f"mismatch/by_length/{stat}/len{n:03d}" for stat in ("log_ratio_abs_mean", "ratio_outside_0.5_2") for n in (8, 16, 32, 64)),
   }
+  for length in (8, 16, 32, 64):
+    abs_mean, outside_l = np_prefix_mismatch(train_logp, rollout_logp, mask, length)
+    np.testing.assert_allclose(got[f"mismatch/by_length/log_ratio_abs_mean/len{length:03d}"], abs_mean, rtol=1e-5)
+    assert got[f"mismatch/by_length/ratio_outside_0.5_2/len{length:03d}"] == pytest.approx(outside_l, nan_ok=True)
+  assert np.isnan(got["mismatch/by_length/log_ratio_abs_mean/len064"])  # no response reaches 64 tokens
+  assert got["mismatch/by_length/log_ratio_abs_mean/len032"] > got["mismatch/by_length/log_ratio_abs_mean/len008"]
   for name, d, w in zip(names, diff, tis):
     np.testing.assert_allclose(got[f"mismatch/by_position/logp_diff_mean/{name}"], d, rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(got[f"mismatch/by_position/tis_weight_mean/{name}"], w, rtol=1e-5, err_msg=name)

@@ -134,6 +134,11 @@ def position_mismatch_metrics(train_logp: jax.Array, rollout_logp: jax.Array, ma
     mismatch/seq_log_ratio_mean: mean of s.
     mismatch/seq_log_ratio_abs_mean: mean of |s|.
     mismatch/seq_ratio_outside_0.5_2: share of sequences whose ratio exp(s) lies outside [0.5, 2].
+  How the sequence-level ratio grows with length, per prefix length L among the bin ends that fit
+  in T (8, 16, 32, ...; named `len{L}`, zero-padded like the bins): s_L = the sum over a sequence's
+  first L response tokens, over the sequences with at least L response tokens (NaN if none):
+    mismatch/by_length/log_ratio_abs_mean/{len}: mean of |s_L|.
+    mismatch/by_length/ratio_outside_0.5_2/{len}: share whose exp(s_L) lies outside [0.5, 2].
   """
   m = mask.astype(bool)
   weight = m.astype(jnp.float32)
@@ -158,13 +163,32 @@ def position_mismatch_metrics(train_logp: jax.Array, rollout_logp: jax.Array, ma
 
   seq = jnp.sum(log_ratio, axis=1)
   has = jnp.any(m, axis=1)
-  n = jnp.sum(has.astype(jnp.float32))
-  seq_mean = lambda x: jnp.where(n > 0, jnp.sum(jnp.where(has, x, 0.0)) / jnp.maximum(n, 1.0), jnp.nan)
+  seq_mean = lambda x: _masked_mean(x, has)
   out["mismatch/seq_log_ratio_mean"] = seq_mean(seq)
   out["mismatch/seq_log_ratio_abs_mean"] = seq_mean(jnp.abs(seq))
   # exp(s) < 0.5 or > 2, compared in log space (exp of a long sequence's sum overflows)
   out["mismatch/seq_ratio_outside_0.5_2"] = seq_mean((jnp.abs(seq) > np.log(2.0)).astype(jnp.float32))
+
+  response_len = jnp.sum(weight, axis=1)
+  for length, name in prefix_lengths(train_logp.shape[1]):
+    s = jnp.sum(jnp.where(position < length, log_ratio, 0.0), axis=1)  # log_ratio is 0 outside the mask
+    full = response_len >= length
+    out[f"mismatch/by_length/log_ratio_abs_mean/{name}"] = _masked_mean(jnp.abs(s), full)
+    out[f"mismatch/by_length/ratio_outside_0.5_2/{name}"] = _masked_mean((jnp.abs(s) > np.log(2.0)).astype(jnp.float32), full)
   return out
+
+
+def _masked_mean(x: jax.Array, where: jax.Array) -> jax.Array:
+  """The mean of x over `where` (NaN if it is empty)."""
+  n = jnp.sum(where.astype(jnp.float32))
+  return jnp.where(n > 0, jnp.sum(jnp.where(where, x, 0.0)) / jnp.maximum(n, 1.0), jnp.nan)
+
+
+def prefix_lengths(length: int) -> list[tuple[int, str]]:
+  """(L, 'len{L}') for the position bins' ends L <= length (8, 16, 32, ...), zero-padded as
+  position_bin_names pads (so that they sort)."""
+  width = max(3, len(str(position_bins(length)[-1][1] - 1)))
+  return [(end, f"len{end:0{width}d}") for _, end in position_bins(length) if end <= length]
 
 
 @jax.jit
