@@ -62,10 +62,6 @@ class Rollout:
   params: Any
   metrics: dict
 
-  @property
-  def staleness(self) -> int:
-    return self.step - self.version
-
 
 def copy_params(params):
   """New buffers with the values of `params` (which a later donated train step invalidates)."""
@@ -96,10 +92,6 @@ class Versions:
       for v in [v for v in self._params if v < version - self._d]:
         del self._params[v]
       self._cond.notify_all()
-
-  def newest(self) -> int:
-    with self._cond:
-      return max(self._params)
 
   def get(self, version: int):
     with self._cond:
