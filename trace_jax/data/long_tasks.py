@@ -18,8 +18,12 @@ on 256 held-out problems:
   - digits=2, 13 terms (65 tokens): 300 steps 1.6% / 8.7%, 500 steps 2.7% / 12%, 700 steps
     0.4% / 9.0% (terms copied, sums near but wrong), 1000 steps 99.6% / 100% (seed 1: 100%
     greedy, and 100% of responses sampled at temperature 1 exact). The addition is learnt
-    suddenly, between 700 and 1000 steps, and then without error at any position: SFT length is
-    a poor dial for a partial accuracy (the window is narrow and seed-dependent).
+    suddenly, between 925 and 1000 steps, and then without error at any position: 850 steps
+    0.8% (seed 0), 925 steps 1.6% / 0.4% / 1.2% (seeds 0, 1, 2; each a full cosine schedule of
+    that length). SFT length is a poor dial for a partial accuracy: the window is narrow. Nor does
+    RL cross it from below: from the 850- and 925-step policies, 40-60 GRPO steps (BF16, 8 x 8
+    samples, partial credit, lr 1e-4 or 3e-4) leave the reward flat or falling and the exact
+    accuracy at 0-1.6%.
   - digits=3, 10 terms (70 tokens), 1000 steps: 0% / 10% (terms copied, sums wrong).
   - without the echo ("3+9+0+8=" -> "3;2;2;0", sums mod 10): 1200 steps at 16 terms, 2000 at 32:
     final answers at chance (11%), steps right in place 64% / 40%, the first error at step
