@@ -15,6 +15,8 @@ The base is configs/long_horizon.py (task=long: every response writes `terms` pa
 response is terms * (digits + 1) tokens). Written under --out:
   table.md            reward, held-out accuracy, mismatch (token and sequence level), agreement, per setting
   final_policy.md     each trained policy, greedy, with an FP4 and a BF16 engine; bf16: post-hoc PTQ
+  mismatch_by_length.md  how the sequence-level log-ratio grows with the response length, its power
+                      law and the length at which half the sequences' ratios would leave [0.5, 2]
   curves.png, summary.png, final_policy.png, mismatch_by_position.png
 Finished runs are read back, not rerun.
 """
@@ -22,7 +24,10 @@ Finished runs are read back, not rerun.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+
+import numpy as np
 
 from configs import long_horizon
 from experiments import plotting, sweep
@@ -86,7 +91,75 @@ def compare(base, *, root: str, out: str | None = None, seeds=(0, 1, 2), setting
     f.write(sweep.final_policy_table(rows) + "\n")
   plotting.mode_comparison_figures(rows, out, label="name")
   plotting.mismatch_by_position_figure(rows, out, label="name")
+  scaling = length_scaling(rows)
+  with open(os.path.join(out, "mismatch_by_length.md"), "w") as f:
+    f.write(length_markdown(scaling) + "\n")
+  with open(os.path.join(root, "mismatch_by_length.json"), "w") as f:
+    json.dump(scaling, f, indent=1)
   return rows
+
+
+LENGTH_PREFIX = "mismatch/by_length/"
+# |s| of a zero-mean normal s is sigma * sqrt(2 / pi) on average, and half of such s lie beyond
+# 0.6745 sigma: half the sequences have |s| > log 2 once sigma = log 2 / 0.6745, i.e. once the
+# mean |s| reaches this.
+HALF_OUTSIDE_ABS_MEAN = np.log(2.0) / 0.6745 * np.sqrt(2.0 / np.pi)
+
+
+def length_scaling(rows, label="name", fraction: float = 0.2) -> list[dict]:
+  """Per row (setting): the late mean |sequence log-ratio| s_L over the first L tokens for each L
+  (rl.position_mismatch_metrics' by_length keys), its power law |s_L| ~ L**alpha (least squares in
+  log-log over the seeds' means; 0.5: independent per-token errors that partly cancel, 1: a
+  systematic bias), the share of sequences whose ratio over the longest L leaves [0.5, 2], and the
+  length at which, extrapolated along that power law with s zero-mean normal, half of them would
+  (HALF_OUTSIDE_ABS_MEAN). Rows without the metrics are left out."""
+  out = []
+  for row in rows:
+    abs_mean = plotting.late_by_position(row["workdirs"], "log_ratio_abs_mean", prefix=LENGTH_PREFIX, fraction=fraction)
+    outside = plotting.late_by_position(row["workdirs"], "ratio_outside_0.5_2", prefix=LENGTH_PREFIX, fraction=fraction)
+    if len(abs_mean) < 2:
+      continue
+    lengths = np.array(sorted(abs_mean), np.float64)
+    means = np.array([np.mean(abs_mean[n]) for n in sorted(abs_mean)])
+    alpha, log_c = np.polyfit(np.log(lengths), np.log(means), 1)
+    half = np.exp((np.log(HALF_OUTSIDE_ABS_MEAN) - log_c) / alpha) if alpha > 0 else float("inf")
+    longest = int(lengths[-1])
+    out.append(
+      {
+        "setting": plotting.label_of(row, label),
+        "abs_log_ratio": {int(n): float(m) for n, m in zip(lengths, means)},
+        "outside_at_longest": float(np.mean(outside.get(longest, [np.nan]))),
+        "longest": longest,
+        "alpha": float(alpha),
+        "half_outside_length": float(half),
+      }
+    )
+  return out
+
+
+def length_markdown(scaling: list[dict]) -> str:
+  """length_scaling's rows as a markdown table."""
+  if not scaling:
+    return ""
+  lengths = sorted({n for s in scaling for n in s["abs_log_ratio"]})
+  head = [
+    "setting",
+    *(f"\\|s\\| over {n}" for n in lengths),
+    f"ratio outside [0.5, 2] over {lengths[-1]}",
+    "alpha in \\|s\\| ~ L^alpha",
+    "L where half leave [0.5, 2] (extrapolated)",
+  ]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for s in scaling:
+    cells = [
+      s["setting"],
+      *(f"{s['abs_log_ratio'].get(n, float('nan')):.3g}" for n in lengths),
+      f"{s['outside_at_longest']:.3f}",
+      f"{s['alpha']:.2f}",
+      f"{s['half_outside_length']:.3g}",
+    ]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
 
 
 def base_config(terms: int, digits: int, smoke: bool = False):
@@ -122,7 +195,7 @@ def main(args: argparse.Namespace) -> list[dict]:
   if unknown:
     raise SystemExit(f"--settings: unknown {unknown}; expected some of {list(SETTINGS)}.")
   rows = compare(base, root=args.root, out=out, seeds=seeds, settings=settings, processes=args.processes)
-  for name in ("table.md", "final_policy.md"):
+  for name in ("table.md", "final_policy.md", "mismatch_by_length.md"):
     with open(os.path.join(out, name)) as f:
       print(f.read())
   return rows

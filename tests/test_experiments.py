@@ -7,6 +7,7 @@ the same through a cell injected after their `parameters` cell, as papermill wou
 
 import json
 import os
+import re
 import shutil
 import struct
 
@@ -366,6 +367,35 @@ def test_mismatch_by_position_from_synthetic_runs(tmp_path):
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_long_horizon_length_scaling_from_synthetic_runs(tmp_path):
+  """The power law of |s_L| and the extrapolated length where half the ratios leave [0.5, 2]: a
+  random walk (|s_L| = c sqrt(L)) gives alpha 0.5 and L_half = 64 (m / |s_64|)**2."""
+  from experiments import long_horizon
+
+  rows = []
+  for name, c in (("walk", 0.01), ("none", None)):
+    workdir = tmp_path / name / "seed0"
+    os.makedirs(workdir)
+    with open(workdir / "metrics.jsonl", "w") as f:
+      for step in range(1, 6):
+        row = {"step": step}
+        if c is not None:
+          for length in (8, 16, 32, 64):
+            row[f"mismatch/by_length/log_ratio_abs_mean/len{length:03d}"] = c * np.sqrt(length)
+            row[f"mismatch/by_length/ratio_outside_0.5_2/len{length:03d}"] = 0.01 * length / 64
+        f.write(json.dumps(row) + "\n")
+    rows.append({"name": name, "workdirs": [str(workdir)], "seeds": 1})
+  (got,) = long_horizon.length_scaling(rows)  # "none" has no by_length metrics: left out
+  assert got["setting"] == "walk" and got["longest"] == 64
+  assert got["alpha"] == pytest.approx(0.5) and got["outside_at_longest"] == pytest.approx(0.01)
+  m = long_horizon.HALF_OUTSIDE_ABS_MEAN
+  assert m == pytest.approx(0.82, abs=0.005)  # log 2 / 0.6745 * sqrt(2 / pi)
+  assert got["half_outside_length"] == pytest.approx(64 * (m / (0.01 * 8)) ** 2, rel=1e-6)
+  table = long_horizon.length_markdown([got])
+  cells = [len(re.split(r"(?<!\\)\|", line)) for line in table.splitlines()]  # \| is a pipe in a cell
+  assert cells == [10, 10, 10] and "| walk |" in table
+
+
 @pytest.mark.slow
 def test_long_horizon_comparison_smoke(tmp_path):
   """experiments/long_horizon.py end to end on its smoke base (tiny model, 4 terms, 2 steps, 1 seed)."""
@@ -376,6 +406,13 @@ def test_long_horizon_comparison_smoke(tmp_path):
   assert [r["name"] for r in rows] == ["mode=fp4,rl.tis_cap=0.0", "mode=trace"]
   assert rows[0]["last:response/length_mean:mean"] > 0
   assert rows[1]["last:guidance/bytes_per_token:mean"] > 0 == rows[0]["last:guidance/bytes_per_token:mean"]
-  for name in ("table.md", "final_policy.md", "curves.png", "summary.png", "mismatch_by_position.png"):
+  for name in (
+    "table.md",
+    "final_policy.md",
+    "mismatch_by_length.md",
+    "curves.png",
+    "summary.png",
+    "mismatch_by_position.png",
+  ):
     assert (tmp_path / name).exists(), name
   assert "fp4-trained, rl.tis_cap=0.0" in (tmp_path / "final_policy.md").read_text()
