@@ -1,6 +1,7 @@
 """The long-horizon comparison of issue 16: every mode on the running-sum task, same config and seeds.
 
   python -m experiments.long_horizon --root=/tmp/long --seeds=0,1,2 --out=docs/figures/long_horizon
+  python -m experiments.long_horizon --sft_seed=0 ...  # every RL seed from seed 0's warm start
   python -m experiments.long_horizon --terms=64 --steps=150 ...   # longer responses, more steps
   python -m experiments.long_horizon --smoke --root=/tmp/long_smoke  # a tiny model, 2 steps, 1 seed
 
@@ -75,11 +76,14 @@ SMOKE = {  # the tests' tiny model (tests/tiny.py), 2 steps
 }
 
 
-def compare(base, *, root: str, out: str | None = None, seeds=(0, 1, 2), settings=tuple(SETTINGS), processes=False):
-  """Run (or read back) every setting x seed from one SFT warm start per seed; write the tables and
-  figures under `out`; return the sweep rows."""
+def compare(
+  base, *, root: str, out: str | None = None, seeds=(0, 1, 2), settings=tuple(SETTINGS), processes=False, sft_seed=-1
+):
+  """Run (or read back) every setting x seed from one SFT warm start per seed (sft_seed >= 0: one
+  warm start, of that seed, for every seed); write the tables and figures under `out`; return the
+  sweep rows."""
   out = out or root
-  base = sweep.configure(base, {"sft.cache_dir": os.path.join(root, "sft_cache")})
+  base = sweep.configure(base, {"sft.cache_dir": os.path.join(root, "sft_cache"), "sft.seed": sft_seed})
   grid = [SETTINGS[s] for s in settings]
   metrics = tuple(HEADERS)
   rows = sweep.sweep(base, grid, root=root, seeds=list(seeds), processes=processes, metrics=metrics)
@@ -178,6 +182,12 @@ def parse(argv=None) -> argparse.Namespace:
   p.add_argument("--eval_prompts", type=int, default=256, help="test prompts for the final greedy accuracy")
   p.add_argument("--settings", default=",".join(SETTINGS), help=f"a subset of {list(SETTINGS)}")
   p.add_argument("--processes", action="store_true", help="run each setting in its own process")
+  p.add_argument(
+    "--sft_seed",
+    type=int,
+    default=-1,
+    help="every seed's RL from the SFT warm start of this seed (-1: each seed its own warm start)",
+  )
   p.add_argument("--smoke", action="store_true", help="a tiny model, 2 RL steps, 1 seed, 4 terms: the plumbing")
   return p.parse_args(argv)
 
@@ -194,7 +204,9 @@ def main(args: argparse.Namespace) -> list[dict]:
   unknown = sorted(set(settings) - set(SETTINGS))
   if unknown:
     raise SystemExit(f"--settings: unknown {unknown}; expected some of {list(SETTINGS)}.")
-  rows = compare(base, root=args.root, out=out, seeds=seeds, settings=settings, processes=args.processes)
+  rows = compare(
+    base, root=args.root, out=out, seeds=seeds, settings=settings, processes=args.processes, sft_seed=args.sft_seed
+  )
   for name in ("table.md", "final_policy.md", "mismatch_by_length.md"):
     with open(os.path.join(out, name)) as f:
       print(f.read())

@@ -194,3 +194,24 @@ def test_two_level_scaling_is_refused_with_expert_parallelism():
     RunConfig.from_config(cfg)
   cfg.mesh.moe_impl = "sorted"
   assert RunConfig.from_config(cfg).mode.rollout.quant.two_level
+
+
+def test_sft_seed_shares_one_warm_start_between_run_seeds():
+  """sft.seed >= 0: runs of any seed share the warm start of that seed (one cache entry, the same
+  key as that seed's own run); -1 keys it by the run's seed; below -1 is refused."""
+  from trace_jax import job
+
+  def cache(seed, sft_seed):
+    cfg = default.get_config("trace")
+    cfg.seed, cfg.sft.seed, cfg.sft.cache_dir = seed, sft_seed, "/cache"
+    return job.sft_cache_path(cfg)
+
+  assert cache(1, 0) == cache(2, 0) == cache(0, 0) == cache(0, -1)
+  assert cache(1, -1) != cache(0, -1) and cache(1, -1) == cache(1, 1)
+  assert RunConfig.from_config(default.get_config("trace")).sft.seed_for(7) == 7
+  cfg = default.get_config("trace")
+  cfg.sft.seed = 3
+  assert RunConfig.from_config(cfg).sft.seed_for(7) == 3
+  cfg.sft.seed = -2
+  with pytest.raises(ConfigError, match=r"config\.sft\.seed\b"):
+    RunConfig.from_config(cfg)

@@ -612,12 +612,23 @@ class SFTConfig:
   """The supervised warm start, so that RL starts from a policy with partial reward.
 
   cache_dir: set to share the (deterministic) SFT result between runs, e.g. a sweep's modes.
+  seed: the warm start's seed (the initial parameters and the SFT data order); -1: the run's
+    `seed`. Set it to run several RL seeds from one warm start (they then share a cache entry).
   """
 
   steps: int = 300
   batch_size: int = 64
   cache_dir: str = ""
+  seed: int = -1
   optim: OptimConfig = OptimConfig(learning_rate=3e-3, warmup_steps=20, end_lr_fraction=0.05)
+
+  def __post_init__(self):
+    if self.seed < -1:
+      _fail("sft.seed", f"must be >= 0, or -1 for the run's seed; got {self.seed}.")
+
+  def seed_for(self, run_seed: int) -> int:
+    """The warm start's seed in a run seeded `run_seed`."""
+    return run_seed if self.seed < 0 else self.seed
 
 
 @dataclasses.dataclass(frozen=True)

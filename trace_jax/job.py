@@ -61,7 +61,8 @@ def sft_cache_path(cfg: ml_collections.ConfigDict) -> str:
     return ""
   keyed = {k: json.loads(cfg[k].to_json_best_effort()) for k in ("model", "sft", "data", "rollout")}
   keyed["sft"].pop("cache_dir")
-  keyed["seed"] = cfg.seed
+  sft_seed = keyed["sft"].pop("seed", -1)
+  keyed["seed"] = cfg.seed if sft_seed < 0 else sft_seed  # runs of other seeds from one warm start share it
   digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
   return os.path.join(cfg.sft.cache_dir, f"sft-{digest}")
 

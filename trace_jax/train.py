@@ -92,7 +92,7 @@ def sft_warm_start(params, run: RunConfig, tokenizer, source, *, cache: str = ""
     run.sft.batch_size,
     run.data.max_prompt_len,
     run.sampling.max_new_tokens,  # the rollout's response: up to max_new_tokens, EOS included
-    seed=run.job.seed,
+    seed=run.sft.seed_for(run.job.seed),
   )
   for i in tqdm(range(steps), desc="sft", leave=False, disable=not job.is_lead()):
     b = batcher.batch_at(i)
@@ -351,6 +351,8 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
   topology = cluster.Topology.from_config(run.mesh)
   job.check_workdir(cfg, workdir)
   init_key, rollout_key, eval_key = jax.random.split(jax.random.key(run.job.seed), 3)
+  if run.sft.seed >= 0:  # the warm start's own seed: its initial parameters too
+    init_key = jax.random.split(jax.random.key(run.sft.seed), 3)[0]
 
   # The state: a checkpoint of this run, or SFT from a fresh init (checkpointed as step 0).
   optimizer = trainer.make_optimizer(run.optim, run.job.steps)
