@@ -43,7 +43,7 @@ SETTINGS = {
 }
 HEADERS = {
   "last:reward/mean": "late reward",
-  "last:eval/accuracy": "late held-out acc. (FP4 engine)",
+  "last:eval/accuracy": "late held-out acc. (its rollout engine)",
   "final/accuracy_fp4_engine": "final acc., FP4 engine",
   "final/accuracy_bf16_engine": "final acc., BF16 engine",
   "last:response/length_mean": "response tokens",
