@@ -22,10 +22,11 @@ on 256 held-out problems:
     FP4 engine): 850 steps 0.8% (seed 0), 925 steps 1.6% / 0.4% / 1.2% (seeds 0, 1, 2; each a
     full cosine schedule of that length), 1000 steps 99.2% / 17.2% (seed 0), 1.2% / 1.6% (seed 1),
     0.8% / 0.4% (seed 2). The addition is learnt suddenly, then without error at any position,
-    at a step that depends on the seed and the data. SFT length is a poor dial for a partial accuracy: the window is narrow. Nor does
-    RL cross it from below: from the 850- and 925-step policies, 40-60 GRPO steps (BF16, 8 x 8
-    samples, partial credit, lr 1e-4 or 3e-4) leave the reward flat or falling and the exact
-    accuracy at 0-1.6%.
+    at a step that depends on the seed and the data. SFT length is a poor dial for a partial
+    accuracy: the window is narrow. Nor does RL cross it from below: from the 850- and 925-step
+    policies, 40-60 GRPO steps (BF16, 8 x 8 samples, partial credit, lr 1e-4 or 3e-4) leave the
+    reward flat or falling and the exact accuracy at 0-1.6%. The FP4 engine is where a partial
+    accuracy appears: 17% for seed 0's solved policy (experiments/long_horizon.py starts there).
   - digits=3, 10 terms (70 tokens), 1000 steps: 0% / 10% (terms copied, sums wrong).
   - without the echo ("3+9+0+8=" -> "3;2;2;0", sums mod 10): 1200 steps at 16 terms, 2000 at 32:
     final answers at chance (11%), steps right in place 64% / 40%, the first error at step
