@@ -207,6 +207,7 @@ def mismatch_by_position(
   fraction: float = 0.2,
   logy: bool = False,
   title=None,
+  xlabel: str = "response position (bin start)",
 ):
   """One line per row: the late-run mismatch `metric` (`logp_diff_mean`: |logp_train -
   logp_rollout|, `tis_weight_mean`: the TIS weight) per response-position bin, against the bin's
@@ -229,7 +230,7 @@ def mismatch_by_position(
   ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
   if logy:
     ax.set_yscale("log")
-  ax.set_xlabel("response length L (first L tokens)" if "by_length" in prefix else "response position (bin start)")
+  ax.set_xlabel(xlabel)
   ax.set_title(title or f"late {prefix}{metric}")
   ax.grid(alpha=0.3)
 
@@ -245,9 +246,15 @@ def mismatch_by_position_figure(
   fig, axes = plt.subplots(2, 2, figsize=(11, 8))
   mismatch_by_position(axes[0, 0], rows, label, "logp_diff_mean", logy=True, title="|logp_train - logp_rollout|")
   mismatch_by_position(axes[0, 1], rows, label, "tis_weight_mean", title="TIS weight")
-  by_length = dict(prefix="mismatch/by_length/")
+  by_length = dict(prefix="mismatch/by_length/", xlabel="response length L (first L tokens)")
   mismatch_by_position(
-    axes[1, 0], rows, label, "log_ratio_abs_mean", logy=True, title="|sequence log-ratio| over the first L tokens", **by_length
+    axes[1, 0],
+    rows,
+    label,
+    "log_ratio_abs_mean",
+    logy=True,
+    title="|sequence log-ratio| over the first L tokens",
+    **by_length,
   )
   mismatch_by_position(
     axes[1, 1], rows, label, "ratio_outside_0.5_2", title="sequences with ratio outside [0.5, 2]", **by_length

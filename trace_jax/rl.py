@@ -109,9 +109,13 @@ def position_bins(length: int) -> list[tuple[int, int]]:
 def position_bin_names(length: int) -> list[str]:
   """`pos{start}-{end - 1}` per position_bins(length), zero-padded to at least 3 digits (more where
   the last bin needs them, the same width for every bin) so that the names sort by position."""
-  bins = position_bins(length)
-  width = max(3, len(str(bins[-1][1] - 1)))
-  return [f"pos{start:0{width}d}-{end - 1:0{width}d}" for start, end in bins]
+  width = _name_width(length)
+  return [f"pos{start:0{width}d}-{end - 1:0{width}d}" for start, end in position_bins(length)]
+
+
+def _name_width(length: int) -> int:
+  """The digits of the last bin's end (at least 3), shared by every bin and prefix name."""
+  return max(3, len(str(position_bins(length)[-1][1] - 1)))
 
 
 def position_mismatch_metrics(train_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array, tis_cap) -> dict:
@@ -174,7 +178,9 @@ def position_mismatch_metrics(train_logp: jax.Array, rollout_logp: jax.Array, ma
     s = jnp.sum(jnp.where(position < length, log_ratio, 0.0), axis=1)  # log_ratio is 0 outside the mask
     full = response_len >= length
     out[f"mismatch/by_length/log_ratio_abs_mean/{name}"] = _masked_mean(jnp.abs(s), full)
-    out[f"mismatch/by_length/ratio_outside_0.5_2/{name}"] = _masked_mean((jnp.abs(s) > np.log(2.0)).astype(jnp.float32), full)
+    out[f"mismatch/by_length/ratio_outside_0.5_2/{name}"] = _masked_mean(
+      (jnp.abs(s) > np.log(2.0)).astype(jnp.float32), full
+    )
   return out
 
 
@@ -187,7 +193,7 @@ def _masked_mean(x: jax.Array, where: jax.Array) -> jax.Array:
 def prefix_lengths(length: int) -> list[tuple[int, str]]:
   """(L, 'len{L}') for the position bins' ends L <= length (8, 16, 32, ...), zero-padded as
   position_bin_names pads (so that they sort)."""
-  width = max(3, len(str(position_bins(length)[-1][1] - 1)))
+  width = _name_width(length)
   return [(end, f"len{end:0{width}d}") for _, end in position_bins(length) if end <= length]
 
 

@@ -350,9 +350,8 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
   run = run.with_tokenizer(tokenizer)
   topology = cluster.Topology.from_config(run.mesh)
   job.check_workdir(cfg, workdir)
-  init_key, rollout_key, eval_key = jax.random.split(jax.random.key(run.job.seed), 3)
-  if run.sft.seed >= 0:  # the warm start's own seed: its initial parameters too
-    init_key = jax.random.split(jax.random.key(run.sft.seed), 3)[0]
+  _, rollout_key, eval_key = jax.random.split(jax.random.key(run.job.seed), 3)
+  init_key = jax.random.split(jax.random.key(run.sft.seed_for(run.job.seed)), 3)[0]  # the warm start's
 
   # The state: a checkpoint of this run, or SFT from a fresh init (checkpointed as step 0).
   optimizer = trainer.make_optimizer(run.optim, run.job.steps)
