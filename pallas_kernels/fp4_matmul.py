@@ -26,8 +26,9 @@ Kernel design (Pallas, Triton lowering on GPU; the same kernel runs in interpret
     (times a power of two) is exact in bf16 and the MMA runs bf16 x bf16 -> f32 with no rounding of
     the weight. The power of two and the NVFP4 tensor scale multiply the float32 accumulator once
     at the end instead of every weight.
-  * Rows of x are padded up to a multiple of block_m outside the kernel (x is small next to the
-    weights at decode); N and K must be multiples of block_n / block_k (a ValueError says which).
+  * M needs no padding: the last m tile's block reaches past x's rows and Pallas masks its loads
+    and stores (an XLA pad was one more launch per call at decode). N and K must be multiples of
+    block_n / block_k (a ValueError says which).
   * Activation quantization (W4A4) runs as a jnp prologue, `fp4.dequantize(fp4.quantize(x))`, that
     XLA fuses into one pass over x: bit-identical to the rollout's RTN quantizer by construction,
     and its values are again exact in bf16.
@@ -233,6 +234,9 @@ def default_tiles(
   block_m = max(MIN_BLOCK, min(pl.next_power_of_2(m), 64))
   block_n = _largest_power_of_two_dividing(n, 64 if decode else 128)
   block_k = max(_largest_power_of_two_dividing(k, 256 if decode else 128), fmt.block_size)
+  # Two programs per SM: the decode loop is bound by instruction issue, which needs more than one
+  # 4-warp program per SM to hide latency. Splitting K for it costs a second launch (XLA's sum of
+  # the partials); pallas_kernels/gpu_compile.py counts launches.
   target = 2 * _sm_count()
   programs = lambda bn, splits: parallel * pl.cdiv(m, block_m) * max(n // bn, 1) * splits
   while block_n > 32 and programs(block_n, 1) < target:
@@ -430,8 +434,10 @@ def fp4_matmul(
     num_stages=num_stages,
     ptx_decode=ptx_decode,
   )
-  x = pad_rows(prepare_activations(x, quantize_activations, activation_format, w.fmt), tiles.block_m)
-  m_padded = x.shape[0]
+  # M is not padded (no extra launch): the last m tile's block reaches past x's rows, Pallas masks
+  # its loads and stores, and a row of x only reaches its own output row.
+  x = prepare_activations(x, quantize_activations, activation_format, w.fmt)
+  m_tiles = pl.cdiv(m, tiles.block_m)
   splits = tiles.k_splits
   num_blocks = k // w.fmt.block_size
 
@@ -445,17 +451,17 @@ def fp4_matmul(
     in_specs.append(pl.BlockSpec((1, 1), lambda i, j, s: (0, 0)))
     operands += tensor_scale_operand(w, (1, 1))
   if splits == 1:
-    out_shape = jax.ShapeDtypeStruct((m_padded, n), out_dtype)
+    out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
     out_spec = pl.BlockSpec((tiles.block_m, tiles.block_n), lambda i, j, s: (i, j))
   else:
-    out_shape = jax.ShapeDtypeStruct((splits, m_padded, n), jnp.float32)
+    out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
     out_spec = pl.BlockSpec((None, tiles.block_m, tiles.block_n), lambda i, j, s: (s, i, j))
 
   kernel = functools.partial(_fp4_matmul_kernel, fmt=w.fmt, tiles=tiles, k_tiles_per_split=k // tiles.block_k // splits)
   out = pl.pallas_call(
     kernel,
     out_shape=out_shape,
-    grid=(m_padded // tiles.block_m, n // tiles.block_n, splits),
+    grid=(m_tiles, n // tiles.block_n, splits),
     in_specs=in_specs,
     out_specs=out_spec,
     compiler_params=compiler_params(tiles),
@@ -464,7 +470,7 @@ def fp4_matmul(
   )(*operands)
   if splits > 1:
     out = out.sum(axis=0).astype(out_dtype)
-  return out[:m]
+  return out
 
 
 def fp4_matmul_reference(

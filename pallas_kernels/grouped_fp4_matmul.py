@@ -56,7 +56,9 @@ def make_group_metadata(group_sizes: jax.Array, num_rows: int, num_padded_rows: 
   tiles_per_group = jnp.where(nonempty, (ends - 1) // block_m - first_tile + 1, 0)
   visits_end = jnp.cumsum(tiles_per_group)
   visit = jnp.arange(m_tiles + num_groups, dtype=jnp.int32)
-  group = jnp.searchsorted(visits_end, visit, side="right").astype(jnp.int32)
+  # compare_all: one [visits, E] comparison; the default binary search compiles to a while loop
+  # of ~50 tiny kernels on GPU (pallas_kernels/gpu_compile.py counts the launches).
+  group = jnp.searchsorted(visits_end, visit, side="right", method="compare_all").astype(jnp.int32)
   used = visit < visits_end[-1]
   g = jnp.minimum(group, num_groups)
   tile = first_tile[g] + visit - (visits_end[g] - tiles_per_group[g])

@@ -1,7 +1,13 @@
 """Fixtures shared by the test modules that run the RL loop end to end (train, experiments)."""
 
-import jax
-import pytest
+import os
+
+# The CUDA plugin of requirements-gpu-compile.txt (deviceless GPU compiles, tests/test_gpu_compile.py)
+# refuses to load without a CUDA driver unless told to skip its checks; jax then runs on the CPU.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 from jax.experimental.compilation_cache import compilation_cache
 
 

@@ -1,0 +1,209 @@
+"""Static figures of the FP4 kernels compiled for an H200 (sm_90a) without a GPU, and a roofline.
+
+  JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python experiments/kernel_report.py --out docs/perf/kernel_report
+  ... --smoke      # two small shapes (the test suite runs this path)
+
+Needs `requirements-gpu-compile.txt` (the CUDA plugin, ptxas, nvdisasm); the script sets
+JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 itself when run as a program. Each row is one kernel call
+compiled by `pallas_kernels.gpu_compile` at the default tiles: launches per call (XLA's thunk
+sequence: pads, split-K sums, the grouped kernel's metadata), registers and spills (`ptxas -v`), the
+main loop's SASS instructions, its MMAs, and instructions per weight per thread (loop instructions /
+(block_n * block_k / threads)).
+
+Shapes: dense K = N = 8192 at M in {1, 8, 16, 64}; grouped (E = 128 experts, top-8, the gate_up
+[E, 1536, 2048] and down [E, 2048, 768] projections of bench_fp4_matmul) at 64 and 256 tokens. For
+the grouped rows the routing is sampled (uniform, seed 0) to count the expert tiles the visit grid
+streams: a group that straddles two 16-row tiles streams its expert twice.
+
+The roofline (an estimate, not a measurement; the GPU check measures):
+  memory   bytes moved / 4.8 TB/s (weights streamed, scales, x, out, split-K partials)
+  issue    weights streamed x instructions per weight / 32 lanes / (132 SMs x 4 schedulers x
+           1.98 GHz): one warp instruction per scheduler per clock, the best case
+  launch   2 us per launch (kernel launch and gap in a CUDA graph)
+  fp4 time = max(memory, issue) + launches x 2 us; bf16 time = its weight bytes / 4.8 TB/s + 2 us
+  (the dense bf16 matmul at the roofline; grouped: the experts that got rows, once each).
+The instruction budget at the memory roofline is issue rate x bytes per weight / HBM bandwidth:
+3.9 SASS instructions per weight for NVFP4 (0.5625 bytes per weight), before stalls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import sys
+
+if __name__ == "__main__":
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels import fp4_matmul as dense  # noqa: E402
+from pallas_kernels import gpu_compile  # noqa: E402
+from pallas_kernels import grouped_fp4_matmul as grouped  # noqa: E402
+from trace_jax import fp4  # noqa: E402
+
+HBM = 4.8e12
+ISSUE = 132 * 4 * 1.98e9  # warp instructions per second, whole chip
+LAUNCH_S = 2e-6
+BUDGET = 2.5  # the issue's goal, instructions per weight
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  kind: str  # dense | grouped
+  m: int  # rows of x (grouped: tokens x top_k)
+  n: int
+  k: int
+  experts: int = 0
+  tokens: int = 0
+  fmt: str = "nvfp4"
+  ptx_decode: bool = False
+
+
+def cases(smoke: bool) -> list[Case]:
+  if smoke:
+    return [Case("dense", 8, 256, 512, ptx_decode=True), Case("grouped", 32, 128, 1024, experts=8, tokens=8)]
+  out = []
+  for ptx in (False, True):
+    out += [Case("dense", m, 8192, 8192, ptx_decode=ptx) for m in (1, 8, 16, 64)]
+    for tokens in (64, 256):
+      out += [Case("grouped", tokens * 8, n, k, 128, tokens, ptx_decode=ptx) for n, k in ((1536, 2048), (2048, 768))]
+  return out
+
+
+def _weight(case: Case):
+  shape = (case.experts, case.n, case.k) if case.kind == "grouped" else (case.n, case.k)
+  amax = jnp.float32(1) if case.fmt == "nvfp4" else None
+  return jax.eval_shape(lambda a: fp4.quantize(a, case.fmt, tensor_amax=amax), jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
+def sampled_group_sizes(case: Case, seed: int = 0) -> np.ndarray:
+  """Rows per expert for `tokens` tokens each routed to top_k distinct experts, uniformly."""
+  rng = np.random.default_rng(seed)
+  top_k = case.m // case.tokens
+  chosen = np.stack([rng.choice(case.experts, top_k, replace=False) for _ in range(case.tokens)])
+  return np.bincount(chosen.ravel(), minlength=case.experts)
+
+
+def expert_streams(group_sizes: np.ndarray, block_m: int) -> tuple[int, int]:
+  """(visits of a real expert, distinct experts with rows): each visit streams its expert's tile."""
+  ends = np.cumsum(group_sizes)
+  starts = ends - group_sizes
+  nonempty = group_sizes > 0
+  tiles = np.where(nonempty, (ends - 1) // block_m - starts // block_m + 1, 0)
+  return int(tiles.sum()), int(nonempty.sum())
+
+
+def report_row(case: Case) -> dict:
+  w = _weight(case)
+  fmt = fp4.get_format(case.fmt)
+  x = jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16)
+  options = dict(interpret=False, ptx_decode=case.ptx_decode)
+  if case.kind == "dense":
+    tiles = dense.make_tiles(case.m, case.n, case.k, fmt, interpret=False, ptx_decode=case.ptx_decode)
+    program = gpu_compile.compile_for_h200(functools.partial(dense.fp4_matmul, **options), x, w)
+    streamed = distinct = 1
+    partial_bytes = 0 if tiles.k_splits == 1 else 2 * tiles.k_splits * case.m * case.n * 4
+  else:
+    tiles = dense.make_tiles(
+      -(-case.m // case.experts),
+      case.n,
+      case.k,
+      fmt,
+      interpret=False,
+      split_k=False,
+      parallel=case.experts,
+      ptx_decode=case.ptx_decode,
+    )
+    sizes = jax.ShapeDtypeStruct((case.experts,), jnp.int32)
+    program = gpu_compile.compile_for_h200(functools.partial(grouped.grouped_fp4_matmul, **options), x, sizes, w)
+    streamed, distinct = expert_streams(sampled_group_sizes(case), tiles.block_m)
+    partial_bytes = 0
+  [kernel] = program.kernels.values()
+  threads = 32 * tiles.num_warps
+  ipw = gpu_compile.instructions_per_weight(kernel, tiles.block_n * tiles.block_k, threads)
+  matrix = case.n * case.k
+  bytes_per_weight = 0.5 + 1 / fmt.block_size
+  weights_streamed = streamed * matrix
+  fp4_bytes = weights_streamed * bytes_per_weight + case.m * case.k * 2 + case.m * case.n * 2 + partial_bytes
+  t_memory, t_issue = fp4_bytes / HBM, weights_streamed * ipw / 32 / ISSUE
+  t_fp4 = max(t_memory, t_issue) + len(program.launches) * LAUNCH_S
+  t_bf16 = (distinct * matrix * 2 + case.m * (case.k + case.n) * 2) / HBM + LAUNCH_S
+  return dict(
+    **dataclasses.asdict(case),
+    tiles=dataclasses.asdict(tiles),
+    launches=len(program.launches),
+    launch_names=[launch.name for launch in program.launches],
+    kernel=kernel.name,
+    registers=kernel.resources.registers,
+    spill_bytes=kernel.resources.spill_stores + kernel.resources.spill_loads,
+    loop_instructions=len(kernel.loop),
+    loop_mmas=sum(op in gpu_compile.MMA_OPCODES for op in kernel.loop),
+    loop_top=kernel.loop_histogram(6),
+    instructions_per_weight=round(ipw, 2),
+    within_budget=ipw <= BUDGET,
+    expert_streams=streamed if case.kind == "grouped" else None,
+    experts_with_rows=distinct if case.kind == "grouped" else None,
+    roofline_us=dict(memory=t_memory * 1e6, issue=t_issue * 1e6, fp4=t_fp4 * 1e6, bf16=t_bf16 * 1e6),
+    predicted_speedup=round(t_bf16 / t_fp4, 2),
+  )
+
+
+def markdown(rows: list[dict]) -> str:
+  head = (
+    "| kernel | shape | ptx | tiles (m, n, k, splits) | launches | regs | spills | loop instr. | MMAs "
+    "| instr./weight | issue / memory time | predicted vs bf16 |\n|" + "---|" * 12
+  )
+  lines = [head]
+  for r in rows:
+    t = r["tiles"]
+    shape = f"M={r['m']} N={r['n']} K={r['k']}"
+    if r["kind"] == "grouped":
+      shape = f"{r['tokens']} tok x top-8 of {r['experts']}, [{r['n']}, {r['k']}] (streams {r['expert_streams']} / {r['experts_with_rows']})"
+    roof = r["roofline_us"]
+    lines.append(
+      f"| {r['kind']} | {shape} | {'yes' if r['ptx_decode'] else 'no'} | {t['block_m']}, {t['block_n']}, {t['block_k']}, "
+      f"{t['k_splits']} | {r['launches']} | {r['registers']} | {r['spill_bytes']} | {r['loop_instructions']} | "
+      f"{r['loop_mmas']} | {r['instructions_per_weight']} | {roof['issue']:.1f} / {roof['memory']:.1f} us | "
+      f"{r['predicted_speedup']}x |"
+    )
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--smoke", action="store_true", help="two small shapes")
+  p.add_argument("--out", default="", help="write OUT.json and OUT.md")
+  args = p.parse_args(argv)
+  if problems := gpu_compile.missing():
+    sys.exit("kernel_report: cannot compile for the GPU here: " + "; ".join(problems))
+  rows = []
+  for case in cases(args.smoke):
+    rows.append(report_row(case))
+    r = rows[-1]
+    print(
+      f"{r['kind']:8s} M={r['m']:5d} N={r['n']:5d} K={r['k']:5d} ptx={int(r['ptx_decode'])}: launches {r['launches']}, "
+      f"regs {r['registers']}, spills {r['spill_bytes']}, {r['instructions_per_weight']} instr/weight, "
+      f"predicted {r['predicted_speedup']}x bf16",
+      flush=True,
+    )
+  if args.out:
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(
+      json.dumps(dict(jax=jax.__version__, arch=gpu_compile.ARCH, rows=rows), indent=1)
+    )
+    out.with_suffix(".md").write_text(markdown(rows))
+  return rows
+
+
+if __name__ == "__main__":
+  main()

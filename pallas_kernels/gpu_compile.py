@@ -1,0 +1,242 @@
+"""Compile the FP4 kernels for an H200 (sm_90a) on a machine without a GPU, and read what came out.
+
+The whole GPU compile chain runs on a CPU host: the CUDA PJRT plugin builds a device topology from
+a target description (`h200_target_config.txtpb`, beside this file), `jax.jit(...).lower(
+lowering_platforms=("cuda",)).compile()` runs XLA's GPU pipeline and Pallas' Triton lowering down
+to PTX, and `ptxas` / `nvdisasm` (pip wheels) turn the PTX into SASS. Nothing runs, but the program
+is the one a GPU would run, so its static figures can be measured and held to a budget:
+
+  * launches per call: the kernels (and memsets) of XLA's thunk sequence, e.g. the pad of M and
+    the split-K sum around the matmul kernel;
+  * registers, spills, stack: `ptxas -v` for each Pallas kernel;
+  * the main loop: the instructions between the loop label and its backward branch, for the loop
+    that holds the MMAs, and so the SASS instructions each thread issues per weight it decodes
+    (loop instructions / (weights per iteration / threads per program)).
+
+Needs (test-only, `requirements-gpu-compile.txt`): jax-cuda12-plugin and jax-cuda12-pjrt at the
+installed jax version, nvidia-cuda-nvcc-cu12 (ptxas) and nvidia-cuda-nvdisasm, and
+JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 in the environment before jax initializes its backends (the
+plugin otherwise refuses to load without a CUDA driver). `missing()` says what is absent; with the
+plugin installed and no GPU, jax still runs everything else on the CPU.
+
+  python -m pallas_kernels.gpu_compile   # the report of experiments/kernel_report.py, in short
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import importlib.util
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import tempfile
+
+import jax
+
+TARGET_CONFIG = pathlib.Path(__file__).with_name("h200_target_config.txtpb")
+ARCH = "sm_90a"
+MMA_OPCODES = ("HMMA", "HGMMA", "IMMA", "QMMA")  # mma.sync and wgmma families in SASS
+
+
+def _nvidia_bin(tool: str) -> str | None:
+  """`tool` from the nvidia-* pip wheels (site-packages/nvidia/*/bin), else from PATH."""
+  spec = importlib.util.find_spec("nvidia")
+  for root in list(spec.submodule_search_locations or []) if spec else []:
+    for path in sorted(glob.glob(os.path.join(root, "*", "bin", tool))):
+      if os.access(path, os.X_OK):
+        return path
+  return shutil.which(tool)
+
+
+def missing() -> list[str]:
+  """What the deviceless compile lacks here (empty when it can run), each with its fix."""
+  out = []
+  if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    out.append(
+      f"the CUDA PJRT plugin: pip install jax-cuda12-plugin=={jax.__version__} jax-cuda12-pjrt=={jax.__version__}"
+    )
+  if os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK") != "1":
+    out.append("JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 in the environment before jax starts (no CUDA driver here)")
+  if _nvidia_bin("ptxas") is None:
+    out.append("ptxas: pip install nvidia-cuda-nvcc-cu12")
+  if _nvidia_bin("nvdisasm") is None:
+    out.append("nvdisasm: pip install nvidia-cuda-nvdisasm")
+  return out
+
+
+def h200_device():
+  """The one device of a deviceless H200 topology (compile only; it cannot hold arrays)."""
+  from jax.experimental import topologies
+
+  text = "\n".join(line for line in TARGET_CONFIG.read_text().splitlines() if not line.startswith("#"))
+  return topologies.get_topology_desc(platform="cuda", target_config=text, topology="1x1x1").devices[0]
+
+
+# --- reading the compiler's output --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """One entry of XLA's thunk sequence that launches work on the GPU."""
+
+  kind: str  # kCustomKernel (Triton / Pallas), kKernel (XLA fusion), kMemset32BitValue, ...
+  name: str
+  grid: tuple[int, ...] = ()
+  threads: tuple[int, ...] = ()
+  shared_memory: int = 0
+
+
+def _dims(text: str, key: str) -> tuple[int, ...]:
+  found = re.search(rf"{key}: \[([\d, ]+)\]", text)
+  return tuple(int(v) for v in found.group(1).split(",")) if found else ()
+
+
+_THUNK = re.compile(r"^\d+:\s+(k\w+)\s+\[[^\]]*\]\s+(\S+)(.*)$")
+
+
+def parse_launches(thunk_sequence: str) -> list[Launch]:
+  """Launches from a `*.thunk_sequence.txt` dump (kernels and memsets; copies of zero bytes and
+  control thunks are not work on the device)."""
+  out = []
+  for line in thunk_sequence.splitlines():
+    match = _THUNK.match(line.strip())
+    if not match or not any(word in match.group(1) for word in ("Kernel", "Memset", "Memzero", "Copy")):
+      continue
+    kind, name, rest = match.groups()
+    shared = re.search(r"shared_memory: (\d+)", rest)
+    out.append(Launch(kind, name, _dims(rest, "grid"), _dims(rest, "threads"), int(shared.group(1)) if shared else 0))
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+  """`ptxas -v` figures of one kernel."""
+
+  registers: int
+  spill_stores: int
+  spill_loads: int
+  stack_frame: int
+
+
+def parse_ptxas(log: str) -> Resources:
+  stack = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+  regs = re.search(r"Used (\d+) registers", log)
+  if not (stack and regs):
+    raise ValueError(f"ptxas -v printed no resource usage:\n{log}")
+  return Resources(int(regs.group(1)), int(stack.group(2)), int(stack.group(3)), int(stack.group(1)))
+
+
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T\d]\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?\s*(.*?);")
+_LABEL = re.compile(r"^(\.L\w+):")
+
+
+def sass_instructions(sass: str) -> list[tuple[str, str, str]]:
+  """(label or '', opcode, operands) for each instruction of `nvdisasm -c` output; a label line
+  attaches to the instruction after it."""
+  out, label = [], ""
+  for line in sass.splitlines():
+    if m := _LABEL.match(line.strip()):
+      label = m.group(1)
+      continue
+    if m := _SASS_LINE.match(line):
+      out.append((label, m.group(1), m.group(3)))
+      label = ""
+  return out
+
+
+def main_loop(sass: str) -> list[str]:
+  """Opcodes of the loop that issues the most MMAs: from a label to the last backward branch to it
+  (Triton's software-pipelined K loop is one such block). Raises if no loop holds an MMA."""
+  instructions = sass_instructions(sass)
+  starts = {label: i for i, (label, _, _) in enumerate(instructions) if label}
+  best = None
+  for end, (_, opcode, operands) in enumerate(instructions):
+    target = re.search(r"`\((\.L\w+)\)", operands) if opcode == "BRA" else None
+    if not target or starts.get(target.group(1), end + 1) > end:
+      continue
+    body = [op for _, op, _ in instructions[starts[target.group(1)] : end + 1]]
+    mmas = sum(op in MMA_OPCODES for op in body)
+    if mmas and (best is None or mmas > best[0] or (mmas == best[0] and len(body) > len(best[1]))):
+      best = (mmas, body)
+  if best is None:
+    raise ValueError("no loop with an MMA instruction in this SASS")
+  return best[1]
+
+
+# --- compiling ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class KernelSass:
+  """One Pallas (Triton) kernel of a compiled program."""
+
+  name: str
+  resources: Resources
+  loop: list[str]  # main-loop opcodes
+  sass: str
+
+  def loop_histogram(self, top: int = 12) -> dict[str, int]:
+    return dict(collections.Counter(self.loop).most_common(top))
+
+
+@dataclasses.dataclass
+class CompiledProgram:
+  launches: list[Launch]
+  kernels: dict[str, KernelSass]
+
+
+def _with_device(tree, device):
+  sharding = jax.sharding.SingleDeviceSharding(device)
+
+  def leaf(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) if hasattr(x, "shape") else x
+
+  return jax.tree.map(leaf, tree)
+
+
+def compile_for_h200(
+  fn, *args, kernel_names: tuple[str, ...] | None = None, keep_dir: str | None = None
+) -> CompiledProgram:
+  """Compile `fn(*args)` (args: arrays or ShapeDtypeStructs, pytrees allowed) for an H200, and
+  read the launches and the SASS of its matmul kernels (the `.entry` points of PTX files that
+  hold an MMA, or those named in `kernel_names`)."""
+  if problems := missing():
+    raise RuntimeError("deviceless GPU compile unavailable: " + "; ".join(problems))
+  device = h200_device()
+  args = _with_device(jax.eval_shape(lambda *a: a, *args), device)
+  work = keep_dir or tempfile.mkdtemp(prefix="gpu_compile_")
+  os.makedirs(work, exist_ok=True)
+  dump = os.path.join(work, "xla_dump")
+  jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compile(compiler_options={"xla_dump_to": dump})
+  try:
+    [sequence] = glob.glob(os.path.join(dump, "*.thunk_sequence.txt"))
+    launches = parse_launches(pathlib.Path(sequence).read_text())
+    kernels = {}
+    for ptx in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
+      text = pathlib.Path(ptx).read_text()
+      for name in re.findall(r"\.visible \.entry (\w+)\(", text):
+        has_mma = re.search(r"\b(mma|wgmma)\.", text) is not None  # XLA's fusions have none
+        if (kernel_names is None and has_mma) or (kernel_names and name in kernel_names):
+          kernels[name] = _sass_of(ptx, name, work)
+    return CompiledProgram(launches, kernels)
+  finally:
+    if keep_dir is None:
+      shutil.rmtree(work, ignore_errors=True)
+
+
+def _sass_of(ptx: str, name: str, work: str) -> KernelSass:
+  cubin = os.path.join(work, f"{name}.cubin")
+  run = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True, text=True)
+  log = run(_nvidia_bin("ptxas"), f"-arch={ARCH}", "-O3", "-v", f"--entry={name}", ptx, "-o", cubin)
+  sass = run(_nvidia_bin("nvdisasm"), "-c", cubin).stdout
+  return KernelSass(name, parse_ptxas(log.stdout + log.stderr), main_loop(sass), sass)
+
+
+def instructions_per_weight(kernel: KernelSass, weights_per_iteration: int, threads: int) -> float:
+  """Main-loop SASS instructions one thread issues per weight: the loop consumes
+  `weights_per_iteration` weights per trip (block_n * block_k), shared by `threads` threads."""
+  return len(kernel.loop) / (weights_per_iteration / threads)
