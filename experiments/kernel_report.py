@@ -13,7 +13,7 @@ main loop's SASS instructions, its MMAs, and instructions per weight per thread 
 Shapes: dense K = N = 8192 at M in {1, 8, 16, 64}; grouped (E = 128 experts, top-8, the gate_up
 [E, 1536, 2048] and down [E, 2048, 768] projections of bench_fp4_matmul) at 64 and 256 tokens. For
 the grouped rows the routing is sampled (uniform, seed 0) to count the expert tiles the visit grid
-streams: a group that straddles two 16-row tiles streams its expert twice.
+streams (a group of s rows: ceil(s / block_m) visits).
 
 The roofline (an estimate, not a measurement; the GPU check measures):
   memory   bytes moved / 4.8 TB/s (weights streamed, scales, x, out, split-K partials)
@@ -94,12 +94,12 @@ def sampled_group_sizes(case: Case, seed: int = 0) -> np.ndarray:
 
 
 def expert_streams(group_sizes: np.ndarray, block_m: int) -> tuple[int, int]:
-  """(visits of a real expert, distinct experts with rows): each visit streams its expert's tile."""
-  ends = np.cumsum(group_sizes)
-  starts = ends - group_sizes
-  nonempty = group_sizes > 0
-  tiles = np.where(nonempty, (ends - 1) // block_m - starts // block_m + 1, 0)
-  return int(tiles.sum()), int(nonempty.sum())
+  """(visits of a real expert, experts with rows) in the grouped kernel's visit table: each visit
+  streams its expert's weight tiles once."""
+  sizes = np.asarray(group_sizes)
+  group, start, end = np.asarray(grouped.make_group_metadata(jnp.asarray(sizes, jnp.int32), int(sizes.sum()), block_m))
+  real = (end > start) & (group < len(sizes))
+  return int(real.sum()), int((sizes > 0).sum())
 
 
 def report_row(case: Case) -> dict:

@@ -6,17 +6,22 @@ scales [E, N, K/bs] (nn.Linear layout per expert) and an optional NVFP4 tensor s
 for all experts or one per expert (shape [E] or [E, 1, 1], as fp4.quantize gives for a per-expert
 tensor_amax).
 
-Mapping groups to tiles (the megablox / tokamax pattern, adapted to a GPU grid):
-  * A metadata pass in jnp lists "visits": (m tile, group) pairs whose row ranges intersect, in
-    group order, plus the visits of a pseudo group that owns the rows past sum(group_sizes) (and
-    the padding rows), so that every output row belongs to exactly one visit.
-  * Since groups are contiguous and tile the rows, there are at most m_tiles + E such visits
-    (every group adds at most one tile that it shares with its predecessor); the grid is
-    (m_tiles + E, n tiles), and grid steps past the real number of visits do nothing.
-  * A visit loads its expert's weight tile (a dynamic index into the [E, ...] arrays), runs the same
-    K loop as the dense kernel, and stores only the rows of its group with a masked store. Two
-    visits of the same m tile write disjoint rows, so programs running concurrently on the GPU
-    never write the same element; the pseudo group skips the K loop and stores zeros.
+Mapping groups to tiles (the megablox / tokamax pattern, with tiles aligned to the groups):
+  * "Visits" are blocks of block_m rows that start at their group's first row (then every block_m
+    rows), in group order, plus the visits of a pseudo group that owns the rows past
+    sum(group_sizes), so that every output row belongs to exactly one visit. Each program works
+    out its own visit from group_sizes (`visit_rows`: two scans and a few reductions over E), so
+    the call is one launch: no metadata kernels before it.
+  * A group of s rows takes ceil(s / block_m) visits, each streaming its expert's weights once:
+    a group is never split across two fixed row tiles, which streamed the expert twice (+14% weight
+    bytes at 64 tokens top-8 of 128 experts, +89% at 256; experiments/kernel_report.py). That is
+    still at most m_tiles + E visits; the grid is (m_tiles + E, n tiles), and grid steps past the
+    real number of visits do nothing.
+  * A visit loads block_m rows of x from its first row (or the last block_m rows of x, when that
+    block would reach past them: no padding of x, no out-of-bounds address), its expert's weight
+    tile (a dynamic index into the [E, ...] arrays), runs the same K loop as the dense kernel, and
+    stores only the rows of its group with a masked store. Visits own disjoint rows, so programs running concurrently on the GPU never write the
+    same element; the pseudo group skips the K loop and stores zeros.
   * Visits of one group are adjacent along grid axis 0, so programs that read the same expert
     tile run close together and share it through L2.
 """
@@ -34,57 +39,75 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import fp4_matmul as dense
 from trace_jax import fp4
 
-# Rows of the int32 visit table passed to the kernel.
-_TILE, _GROUP, _ROW_START, _ROW_END = range(4)
+
+def num_visits(num_rows: int, num_groups: int, block_m: int) -> int:
+  """Grid size: ceil(s / block_m) summed over E groups and the pseudo group, whose sizes add up to
+  num_rows, is at most ceil(num_rows / block_m) + E."""
+  return pl.cdiv(num_rows, block_m) + num_groups
 
 
-def make_group_metadata(group_sizes: jax.Array, num_rows: int, num_padded_rows: int, block_m: int) -> jax.Array:
-  """The visit table, int32 [4, m_tiles + E]: per visit its m tile, group, and row range.
+def _pick(values: jax.Array, index: jax.Array) -> jax.Array:
+  """values[index] for a traced scalar index, as a masked sum (a reduction Triton lowers)."""
+  return jnp.sum(values * (jnp.arange(values.shape[0], dtype=jnp.int32) == index).astype(values.dtype))
 
-  The group id is E for the pseudo group (rows from sum(group_sizes) up to `num_padded_rows`) and
-  for unused trailing visits, whose row range is empty. Group ends are clipped to `num_rows`.
+
+def visit_rows(group_sizes: jax.Array, visit: jax.Array, num_rows: int, block_m: int):
+  """(group, row_start, row_end) of one visit, computed from group_sizes [E] alone: the metadata
+  pass runs inside the kernel (each program redoes this O(E) work; no launches before the kernel).
+
+  Visits list the real groups' blocks first (ceil(size / block_m) each, in group order), then the
+  pseudo group E's (rows from sum(group_sizes) to `num_rows`), then empty visits (group E, rows
+  [num_rows, num_rows)). Group ends are clipped to `num_rows`. Only scans, reductions and
+  arithmetic: the same code runs in jnp (`make_group_metadata`) and in the Triton kernel.
   """
-  num_groups = group_sizes.shape[0]
-  m_tiles = num_padded_rows // block_m
-  ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), num_rows)
-  starts = jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]])
-  starts = jnp.append(starts, ends[-1])  # the pseudo group
-  ends = jnp.append(ends, num_padded_rows)
+  sizes = group_sizes.astype(jnp.int32)
+  cumulative = jnp.cumsum(sizes)
+  ends = jnp.minimum(cumulative, num_rows)
+  starts = jnp.minimum(cumulative - sizes, num_rows)
+  blocks = (ends - starts + block_m - 1) // block_m
+  visits_end = jnp.cumsum(blocks)
+  real_visits = jnp.sum(blocks)
+  is_real = (visit < real_visits).astype(jnp.int32)
+  group = jnp.sum((visits_end <= visit).astype(jnp.int32))  # E for the pseudo group and beyond
+  g = jnp.minimum(group, sizes.shape[0] - 1)
+  real_start = _pick(starts, g) + (visit - _pick(visits_end, g) + _pick(blocks, g)) * block_m
+  real_end = jnp.minimum(_pick(ends, g), real_start + block_m)
+  pseudo_start = jnp.minimum(_pick(ends, sizes.shape[0] - 1) + (visit - real_visits) * block_m, num_rows)
+  pseudo_end = jnp.minimum(pseudo_start + block_m, num_rows)
+  # Products, not jnp.where: the Triton lowering types a select of scalars like its predicate (i1).
+  row_start = is_real * real_start + (1 - is_real) * pseudo_start
+  row_end = is_real * real_end + (1 - is_real) * pseudo_end
+  return group, row_start, row_end
 
-  nonempty = ends > starts
-  first_tile = starts // block_m
-  tiles_per_group = jnp.where(nonempty, (ends - 1) // block_m - first_tile + 1, 0)
-  visits_end = jnp.cumsum(tiles_per_group)
-  visit = jnp.arange(m_tiles + num_groups, dtype=jnp.int32)
-  # compare_all: one [visits, E] comparison; the default binary search compiles to a while loop
-  # of ~50 tiny kernels on GPU (pallas_kernels/gpu_compile.py counts the launches).
-  group = jnp.searchsorted(visits_end, visit, side="right", method="compare_all").astype(jnp.int32)
-  used = visit < visits_end[-1]
-  g = jnp.minimum(group, num_groups)
-  tile = first_tile[g] + visit - (visits_end[g] - tiles_per_group[g])
-  row_start = jnp.maximum(starts[g], tile * block_m)
-  row_end = jnp.minimum(ends[g], (tile + 1) * block_m)
-  return jnp.stack(
-    [
-      jnp.where(used, tile, 0),
-      jnp.where(used, g, num_groups),
-      jnp.where(used, row_start, 0),
-      jnp.where(used, row_end, 0),
-    ]
-  ).astype(jnp.int32)
+
+def make_group_metadata(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array:
+  """The visit table, int32 [3, num_visits]: per visit (`visit_rows`) its group and its row range
+  [start, end), at most block_m rows from the group's first row on. For tests and reports: the
+  kernel computes its own row of it."""
+  visits = jnp.arange(num_visits(num_rows, group_sizes.shape[0], block_m), dtype=jnp.int32)
+  table = jax.vmap(lambda v: visit_rows(group_sizes, v, num_rows, block_m))(visits)
+  return jnp.stack(table).astype(jnp.int32)
 
 
 def _grouped_kernel(
-  meta_ref, x_ref, codes_ref, scales_ref, *rest, fmt: fp4.Fp4Format, tiles: dense.Tiles, num_groups: int
+  sizes_ref,
+  x_ref,
+  codes_ref,
+  scales_ref,
+  *rest,
+  fmt: fp4.Fp4Format,
+  tiles: dense.Tiles,
+  num_rows: int,
+  num_groups: int,
 ):
   *tensor_scale_ref, out_ref = rest
-  v = pl.program_id(0)
-  tile = meta_ref[_TILE, v]
-  group = meta_ref[_GROUP, v]
-  row_start = meta_ref[_ROW_START, v]
-  row_end = meta_ref[_ROW_END, v]
+  # sizes_ref may hold trailing empty groups (a power-of-two length for Triton): their visits
+  # never come, and the pseudo group's id is then >= num_groups, which is all the kernel asks.
+  group, row_start, row_end = visit_rows(sizes_ref[...], pl.program_id(0), num_rows, tiles.block_m)
   expert = jnp.minimum(group, num_groups - 1)  # the pseudo group loads nothing (zero K steps)
-  rows = pl.ds(pl.multiple_of(tile * tiles.block_m, tiles.block_m), tiles.block_m)
+  # From the group's first row on (not a multiple of block_m), kept inside x's rows.
+  first = jnp.minimum(row_start, x_ref.shape[0] - tiles.block_m)
+  rows = pl.ds(first, tiles.block_m)
 
   def load(k_tile):
     xs, cs, ss = dense.k_slices(k_tile, tiles.block_k, fmt.block_size)
@@ -92,13 +115,13 @@ def _grouped_kernel(
 
   k_tiles = x_ref.shape[1] // tiles.block_k
   acc = jnp.zeros((tiles.block_m, tiles.block_n), jnp.float32)
-  # A product, not jnp.where: the Triton lowering types a select of two literals like its predicate (i1).
   num_k_tiles = k_tiles * (group < num_groups).astype(jnp.int32)
   acc = dense.accumulate(load, 0, num_k_tiles, acc, fmt, tiles)
   acc = acc * 2.0 ** dense.weight_exponent_offset(fmt)
   if tensor_scale_ref:
-    acc = acc * tensor_scale_ref[0][expert, 0]
-  row = tile * tiles.block_m + jnp.arange(tiles.block_m)
+    scales = tensor_scale_ref[0]  # [1, 1] (one for all experts) or [E, 1]
+    acc = acc * scales[expert if scales.shape[0] > 1 else 0, 0]
+  row = first + jnp.arange(tiles.block_m)
   mask = ((row >= row_start) & (row < row_end))[:, None]
   plgpu.store(out_ref.at[rows, :], acc.astype(out_ref.dtype), mask=mask)
 
@@ -158,35 +181,39 @@ def grouped_fp4_matmul(
     split_k=False,
     parallel=num_groups,
   )
-  x = dense.pad_rows(dense.prepare_activations(x, quantize_activations, activation_format, w.fmt), tiles.block_m)
+  x = dense.prepare_activations(x, quantize_activations, activation_format, w.fmt)
+  if m < tiles.block_m:  # fewer rows than one block: pad (a few rows at most)
+    x = jnp.pad(x, ((0, tiles.block_m - m), (0, 0)))
   m_padded = x.shape[0]
-  meta = make_group_metadata(group_sizes, m, m_padded, tiles.block_m)
-  num_visits = meta.shape[1]
 
+  sizes = group_sizes.astype(jnp.int32)
+  if num_groups & (num_groups - 1):  # Triton's arrays have power-of-two sizes: empty groups after E
+    sizes = jnp.pad(sizes, (0, pl.next_power_of_2(num_groups) - num_groups))
   full = lambda shape: pl.BlockSpec(shape, lambda v, j: (0,) * len(shape))
   in_specs = [
-    full(meta.shape),
+    full(sizes.shape),
     full((m_padded, k)),
     pl.BlockSpec((num_groups, tiles.block_n, k // 2), lambda v, j: (0, j, 0)),
     pl.BlockSpec((num_groups, tiles.block_n, k // w.fmt.block_size), lambda v, j: (0, j, 0)),
   ]
-  operands = [meta, x, w.codes, dense.scale_bytes(w)]
-  if tensor_scale is not None:
-    in_specs.append(full((num_groups, 1)))
-    operands.append(jnp.broadcast_to(jnp.asarray(tensor_scale, jnp.float32).reshape(-1, 1), (num_groups, 1)))
+  operands = [sizes, x, w.codes, dense.scale_bytes(w)]
+  if tensor_scale is not None:  # [1, 1] or [E, 1]: a reshape, no broadcast (no launch)
+    tensor_scale = jnp.asarray(tensor_scale, jnp.float32).reshape(-1, 1)
+    in_specs.append(full(tensor_scale.shape))
+    operands.append(tensor_scale)
 
-  kernel = functools.partial(_grouped_kernel, fmt=w.fmt, tiles=tiles, num_groups=num_groups)
+  kernel = functools.partial(_grouped_kernel, fmt=w.fmt, tiles=tiles, num_rows=m, num_groups=num_groups)
   out = pl.pallas_call(
     kernel,
     out_shape=jax.ShapeDtypeStruct((m_padded, n), out_dtype),
-    grid=(num_visits, n // tiles.block_n),
+    grid=(num_visits(m, num_groups, tiles.block_m), n // tiles.block_n),
     in_specs=in_specs,
     out_specs=pl.BlockSpec((m_padded, tiles.block_n), lambda v, j: (0, j)),
     compiler_params=dense.compiler_params(tiles),
     interpret=interpret,
     name=f"grouped_fp4_matmul_{w.fmt.name}",
   )(*operands)
-  return out[:m]
+  return out[:m] if m_padded > m else out
 
 
 def grouped_fp4_matmul_reference(

@@ -262,17 +262,22 @@ def test_grouped_fp4_matmul_shapes(m, k, n):
   _check_grouped(_activations(m, k), w, [[0, m, 0, 0], [0, 0, 0, 0], [1, 0, 0, m - 1]])
 
 
-def test_group_metadata_covers_every_row_once():
-  sizes = jnp.asarray([5, 0, 20, 0, 3], jnp.int32)
-  meta = np.asarray(grouped.make_group_metadata(sizes, 33, 48, 16))
-  tile, group, start, end = meta
-  covered = np.zeros(48, int)
-  for t, s, e in zip(tile, start, end):
-    assert t * 16 <= s <= e <= (t + 1) * 16
+@pytest.mark.parametrize("sizes", [[5, 0, 20, 0, 3], [1, 1, 1, 1, 1], [0, 33, 0, 0, 0], [16, 16, 1, 0, 0], [0] * 5])
+def test_group_metadata_covers_every_row_once_with_tiles_from_group_starts(sizes):
+  meta = np.asarray(grouped.make_group_metadata(jnp.asarray(sizes, jnp.int32), 33, 16))
+  group, start, end = meta
+  assert meta.shape[1] == grouped.num_visits(33, 5, 16) == 3 + 5  # ceil(M / block_m) + E
+  covered = np.zeros(33, int)
+  bounds = np.concatenate([[0], np.cumsum(sizes), [33]])
+  for g, s, e in zip(group, start, end):
+    assert s <= e <= s + 16
+    if e > s:  # inside its group (E: the rows past the total), never straddling two
+      assert bounds[g] <= s and e <= bounds[g + 1] and (s - bounds[g]) % 16 == 0
     covered[s:e] += 1
   np.testing.assert_array_equal(covered, 1)
-  assert meta.shape[1] == 48 // 16 + 5  # m tiles + E visits at most
-  np.testing.assert_array_equal(group[:5], [0, 2, 2, 4, 5])  # 5: rows past the total
+  # Each group streams its expert ceil(size / 16) times: no expert twice for a group of <= 16 rows.
+  visits = np.bincount(group[end > start], minlength=6)[:5]
+  np.testing.assert_array_equal(visits, [-(-s // 16) for s in sizes])
 
 
 def test_grouped_fp4_matmul_rejects_bad_inputs():

@@ -602,3 +602,19 @@ def test_sample_greedy():
 def test_config_errors_name_the_field(make, field):
   with pytest.raises(ConfigError, match=rf"config\.{field}\b"):
     make()
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_grouped_matmul_equal_groups_use_the_packed_path(impl):
+  # Expert parallel's dense exchange (group_sizes=None: E equal groups) goes through the packed
+  # grouped matmul (the Pallas kernel on GPU), not a decode of every expert to memory first.
+  rng = np.random.default_rng(0)
+  w = fp4.quantize(jnp.asarray(rng.standard_normal((4, 32, 64)), jnp.float32), "nvfp4")
+  x = jnp.asarray(rng.standard_normal((4 * 6, 64)), jnp.bfloat16)
+  out = rollout.grouped_matmul(x, w, None, impl)
+  expected = jnp.einsum(
+    "gmk,gnk->gmn", x.astype(jnp.float32).reshape(4, 6, 64), fp4.dequantize(w), precision=jax.lax.Precision.HIGHEST
+  ).reshape(24, 32)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected), rtol=2**-7, atol=1e-2)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(rollout.grouped_matmul(x, w, jnp.full(4, 6), impl)))

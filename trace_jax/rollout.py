@@ -133,15 +133,15 @@ def grouped_matmul(x: jax.Array, w: fp4.QuantizedArray | jax.Array, group_sizes:
   """x [M, K] (rows sorted by group) times w[g] [N, K]^T -> [M, N] in x's dtype, fp32 accumulation.
   group_sizes=None: every group has M / E rows (expert parallel's dense exchange).
 
-  Packed FP4 weights go through `pallas_kernels.grouped_packed_matmul`: the Pallas kernel on
-  GPU with impl='auto' (logged once), its jnp reference elsewhere. Decoded weights go through
+  Packed FP4 weights go through `pallas_kernels.grouped_packed_matmul`, the equal groups of the
+  expert-parallel exchange included (never decoded to memory first): the Pallas kernel on GPU with
+  impl='auto' (logged once), its jnp reference elsewhere. Decoded weights go through
   `moe.grouped_dot` (batched matmuls over row tiles on CPU, `lax.ragged_dot` elsewhere).
   """
   if isinstance(w, fp4.QuantizedArray):
     if group_sizes is None:
-      w, group_sizes = _decoded(w, x.dtype), None  # the dense exchange's equal groups: a batched matmul
-    else:
-      return pallas_kernels.grouped_packed_matmul(x, group_sizes, w, impl=impl)
+      group_sizes = jnp.full((w.shape[0],), x.shape[0] // w.shape[0], jnp.int32)
+    return pallas_kernels.grouped_packed_matmul(x, group_sizes, w, impl=impl)
   return moe.grouped_dot(x.astype(w.dtype), w, group_sizes, transpose_w=True, inference=True).astype(x.dtype)
 
 
