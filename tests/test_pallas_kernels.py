@@ -163,6 +163,35 @@ def test_fp4_matmul_matches_reference(m, k, n, quantize_activations, fmt, with_t
   _assert_close(out, _dense_reference(x, w, **kw))
 
 
+def _tiny_scale_weights(shape, fmt, seed=0):
+  """Random codes with the smallest scales: E4M3 subnormals (bytes 0x01-0x07, below 2^-6; our
+  quantizer never writes them, a checkpoint may) or E8M0 scales from 2^-110 to 2^-100 (below that
+  the products leave bfloat16's range: `dense.dequantize_tile`'s documented limit)."""
+  rng = np.random.default_rng(seed)
+  fmt = fp4.get_format(fmt)
+  codes = rng.integers(0, 256, (*shape[:-1], shape[-1] // 2), dtype=np.uint8)
+  low, high = (1, 8) if fmt.name == "nvfp4" else (17, 28)
+  scale_bytes = rng.integers(low, high, (*shape[:-1], shape[-1] // fmt.block_size), dtype=np.uint8)
+  scales = jax.lax.bitcast_convert_type(jnp.asarray(scale_bytes), fmt.scale_dtype)
+  return fp4.QuantizedArray(jnp.asarray(codes), scales, None, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_tiny_scales(fmt):
+  # Where a GPU's flush-to-zero or a wrong conversion would show: E4M3 subnormal scales go through
+  # float16 subnormals in the decode. Both kernels, and on the GPU the inline-PTX decode too.
+  experts = _tiny_scale_weights((2, 32, 256), fmt)
+  dense_w = jax.tree.map(lambda a: a[0], experts)
+  x = _activations(9, 256)
+  if fmt == "mxfp4":  # weights near 2^-110: scale x up so that the outputs are ordinary numbers
+    x = (x.astype(jnp.float32) * 2.0**100).astype(jnp.bfloat16)
+  expected = _dense_reference(x, dense_w, out_dtype=jnp.float32)
+  assert np.abs(np.asarray(expected)).max() > 0
+  for ptx in [False] if INTERPRET else [False, True]:
+    _assert_close(dense.fp4_matmul(x, dense_w, ptx_decode=ptx, out_dtype=jnp.float32, interpret=INTERPRET), expected)
+    _check_grouped(x, experts, [[4, 5], [0, 9]], ptx_decode=ptx)
+
+
 @pytest.mark.parametrize("fmt,with_tensor_scale", WEIGHT_FORMATS)
 def test_fp4_matmul_smallest_tiles_and_split_k(fmt, with_tensor_scale):
   w = _weights((32, 256), fmt, with_tensor_scale)
