@@ -89,6 +89,20 @@ def make_group_metadata(group_sizes: jax.Array, num_rows: int, block_m: int) -> 
   return jnp.stack(table).astype(jnp.int32)
 
 
+def _visit(sizes_ref, x_ref, tiles: dense.Tiles, num_rows: int, num_groups: int):
+  """This program's visit: (group, expert, the block_m rows of x it loads, its store mask).
+
+  sizes_ref may hold trailing empty groups (a power-of-two length for Triton): their visits never
+  come, and the pseudo group's id is then >= num_groups, which is all the kernels ask."""
+  group, row_start, row_end = visit_rows(sizes_ref[...], pl.program_id(0), num_rows, tiles.block_m)
+  expert = jnp.minimum(group, num_groups - 1)  # the pseudo group loads nothing (zero K steps)
+  # From the group's first row on (not a multiple of block_m), kept inside x's rows.
+  first = jnp.minimum(row_start, x_ref.shape[0] - tiles.block_m)
+  row = first + jnp.arange(tiles.block_m)
+  mask = ((row >= row_start) & (row < row_end))[:, None]
+  return group, expert, pl.ds(first, tiles.block_m), mask
+
+
 def _grouped_kernel(
   sizes_ref,
   x_ref,
@@ -101,13 +115,7 @@ def _grouped_kernel(
   num_groups: int,
 ):
   *tensor_scale_ref, out_ref = rest
-  # sizes_ref may hold trailing empty groups (a power-of-two length for Triton): their visits
-  # never come, and the pseudo group's id is then >= num_groups, which is all the kernel asks.
-  group, row_start, row_end = visit_rows(sizes_ref[...], pl.program_id(0), num_rows, tiles.block_m)
-  expert = jnp.minimum(group, num_groups - 1)  # the pseudo group loads nothing (zero K steps)
-  # From the group's first row on (not a multiple of block_m), kept inside x's rows.
-  first = jnp.minimum(row_start, x_ref.shape[0] - tiles.block_m)
-  rows = pl.ds(first, tiles.block_m)
+  group, expert, rows, mask = _visit(sizes_ref, x_ref, tiles, num_rows, num_groups)
 
   def load(k_tile):
     xs, cs, ss = dense.k_slices(k_tile, tiles.block_k, fmt.block_size)
@@ -121,9 +129,36 @@ def _grouped_kernel(
   if tensor_scale_ref:
     scales = tensor_scale_ref[0]  # [1, 1] (one for all experts) or [E, 1]
     acc = acc * scales[expert if scales.shape[0] > 1 else 0, 0]
-  row = first + jnp.arange(tiles.block_m)
-  mask = ((row >= row_start) & (row < row_end))[:, None]
   plgpu.store(out_ref.at[rows, :], acc.astype(out_ref.dtype), mask=mask)
+
+
+def _grouped_bf16_kernel(sizes_ref, x_ref, w_ref, out_ref, *, tiles: dense.Tiles, num_rows: int, num_groups: int):
+  """The same visits, tiles and K loop on bf16 weights [E, N, K]: the baseline of the same family."""
+  group, expert, rows, mask = _visit(sizes_ref, x_ref, tiles, num_rows, num_groups)
+
+  def body(k_tile, acc):
+    ks = pl.ds(pl.multiple_of(k_tile * tiles.block_k, tiles.block_k), tiles.block_k)
+    x, w = x_ref[rows, ks], w_ref[expert, :, ks]
+    return acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+  num_k_tiles = (x_ref.shape[1] // tiles.block_k) * (group < num_groups).astype(jnp.int32)
+  acc = jax.lax.fori_loop(0, num_k_tiles, body, jnp.zeros((tiles.block_m, tiles.block_n), jnp.float32))
+  plgpu.store(out_ref.at[rows, :], acc.astype(out_ref.dtype), mask=mask)
+
+
+def _padded_sizes(group_sizes: jax.Array) -> jax.Array:
+  """int32 group sizes, with empty groups appended up to a power of two (Triton's array sizes)."""
+  sizes = group_sizes.astype(jnp.int32)
+  num_groups = sizes.shape[0]
+  return jnp.pad(sizes, (0, pl.next_power_of_2(num_groups) - num_groups)) if num_groups & (num_groups - 1) else sizes
+
+
+def _check_group_sizes(group_sizes: jax.Array, num_groups: int, what: str):
+  if group_sizes.shape != (num_groups,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise ValueError(
+      f"{what}: group_sizes must be integer [{num_groups}] (one per expert); "
+      f"got {group_sizes.dtype}{list(group_sizes.shape)}."
+    )
 
 
 @dense.jit_kernel
@@ -152,11 +187,7 @@ def grouped_fp4_matmul(
   num_groups, n, k = w.shape
   if x.ndim != 2 or x.shape[1] != k:
     raise ValueError(f"grouped_fp4_matmul: x must be [M, K={k}] for weight {list(w.shape)}; got {list(x.shape)}.")
-  if group_sizes.shape != (num_groups,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-    raise ValueError(
-      f"grouped_fp4_matmul: group_sizes must be integer [{num_groups}] (one per expert); "
-      f"got {group_sizes.dtype}{list(group_sizes.shape)}."
-    )
+  _check_group_sizes(group_sizes, num_groups, "grouped_fp4_matmul")
   tensor_scale = w.tensor_scale
   if tensor_scale is not None and jnp.size(tensor_scale) not in (1, num_groups):
     raise ValueError(
@@ -186,9 +217,7 @@ def grouped_fp4_matmul(
     x = jnp.pad(x, ((0, tiles.block_m - m), (0, 0)))
   m_padded = x.shape[0]
 
-  sizes = group_sizes.astype(jnp.int32)
-  if num_groups & (num_groups - 1):  # Triton's arrays have power-of-two sizes: empty groups after E
-    sizes = jnp.pad(sizes, (0, pl.next_power_of_2(num_groups) - num_groups))
+  sizes = _padded_sizes(group_sizes)
   full = lambda shape: pl.BlockSpec(shape, lambda v, j: (0,) * len(shape))
   in_specs = [
     full(sizes.shape),
@@ -213,6 +242,68 @@ def grouped_fp4_matmul(
     interpret=interpret,
     name=f"grouped_fp4_matmul_{w.fmt.name}",
   )(*operands)
+  return out[:m] if m_padded > m else out
+
+
+@dense.jit_kernel
+def grouped_bf16_matmul(
+  x: jax.Array,
+  group_sizes: jax.Array,
+  w: jax.Array,
+  *,
+  block_m: int | None = None,
+  block_n: int | None = None,
+  block_k: int | None = None,
+  num_warps: int | None = None,
+  num_stages: int | None = None,
+  out_dtype=jnp.bfloat16,
+  interpret: bool | None = None,
+) -> jax.Array:
+  """`grouped_fp4_matmul` on bf16 weights w [E, N, K]: the same visits, default tiles and K loop,
+  only the weight tile is loaded instead of decoded. The honest bf16 baseline for the FP4 kernel
+  (benchmarks): XLA rewrites `lax.ragged_dot` into a dense masked matmul over all experts."""
+  if w.ndim != 3 or x.ndim != 2 or x.shape[1] != w.shape[2]:
+    raise ValueError(
+      f"grouped_bf16_matmul: x [M, K] and w [E, N, K] expected; got {list(x.shape)} and {list(w.shape)}."
+    )
+  num_groups, n, k = w.shape
+  _check_group_sizes(group_sizes, num_groups, "grouped_bf16_matmul")
+  m = x.shape[0]
+  interpret = dense.resolve_interpret(interpret)
+  tiles = dense.make_tiles(
+    pl.cdiv(m, num_groups),
+    n,
+    k,
+    fp4.NVFP4,  # only for the defaults and checks that the FP4 kernel gets: no decode here
+    interpret=interpret,
+    block_m=block_m,
+    block_n=block_n,
+    block_k=block_k,
+    num_warps=num_warps,
+    num_stages=num_stages,
+    split_k=False,
+    parallel=num_groups,
+  )
+  x = x.astype(jnp.bfloat16)
+  if m < tiles.block_m:
+    x = jnp.pad(x, ((0, tiles.block_m - m), (0, 0)))
+  m_padded = x.shape[0]
+  sizes = _padded_sizes(group_sizes)
+  full = lambda shape: pl.BlockSpec(shape, lambda v, j: (0,) * len(shape))
+  out = pl.pallas_call(
+    functools.partial(_grouped_bf16_kernel, tiles=tiles, num_rows=m, num_groups=num_groups),
+    out_shape=jax.ShapeDtypeStruct((m_padded, n), out_dtype),
+    grid=(num_visits(m, num_groups, tiles.block_m), n // tiles.block_n),
+    in_specs=[
+      full(sizes.shape),
+      full((m_padded, k)),
+      pl.BlockSpec((num_groups, tiles.block_n, k), lambda v, j: (0, j, 0)),
+    ],
+    out_specs=pl.BlockSpec((m_padded, tiles.block_n), lambda v, j: (0, j)),
+    compiler_params=dense.compiler_params(tiles),
+    interpret=interpret,
+    name="grouped_bf16_matmul",
+  )(sizes, x, w.astype(jnp.bfloat16))
   return out[:m] if m_padded > m else out
 
 

@@ -10,11 +10,16 @@ a regression guard: the issue's budget of 2.5 instructions per weight is not met
 `report_row(...)["within_budget"]` says so.
 """
 
+import functools
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from experiments import kernel_report
 from pallas_kernels import gpu_compile
+from pallas_kernels import grouped_fp4_matmul as grouped
 
 MISSING = gpu_compile.missing()
 needs_toolchain = pytest.mark.skipif(bool(MISSING), reason="; ".join(MISSING))
@@ -119,3 +124,15 @@ def test_decode_instructions_per_weight(rows):
 def test_report_smoke(tmp_path):
   rows = kernel_report.main(["--smoke", "--out", str(tmp_path / "report")])
   assert len(rows) == 2 and (tmp_path / "report.md").read_text().count("\n") == 4
+
+
+@needs_toolchain
+def test_grouped_bf16_baseline_compiles():
+  # The benchmarks' bf16 baseline is the same kernel family: it compiles to one launch, no spills.
+  x = jax.ShapeDtypeStruct((512, 2048), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((128,), jnp.int32)
+  w = jax.ShapeDtypeStruct((128, 1536, 2048), jnp.bfloat16)
+  program = gpu_compile.compile_for_h200(functools.partial(grouped.grouped_bf16_matmul, interpret=False), x, sizes, w)
+  assert [launch.name for launch in program.launches] == ["grouped_bf16_matmul"]
+  [kernel] = program.kernels.values()
+  assert kernel.resources.spill_stores == 0

@@ -291,6 +291,22 @@ def test_grouped_fp4_matmul_shapes(m, k, n):
   _check_grouped(_activations(m, k), w, [[0, m, 0, 0], [0, 0, 0, 0], [1, 0, 0, m - 1]])
 
 
+def test_grouped_bf16_matmul_matches_ragged_dot():
+  # The benchmarks' bf16 baseline: the same visits and K loop on bf16 weights.
+  rng = np.random.default_rng(2)
+  w = jnp.asarray(rng.standard_normal((5, 32, 256)), jnp.bfloat16)
+  x = _activations(33, 256)
+  run = jax.jit(functools.partial(grouped.grouped_bf16_matmul, out_dtype=jnp.float32, interpret=INTERPRET))
+  for sizes in GROUPINGS_33:
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    expected = jax.lax.ragged_dot(
+      x.astype(jnp.float32), jnp.swapaxes(w, 1, 2).astype(jnp.float32), group_sizes, precision="highest"
+    )
+    _assert_close(run(x, group_sizes, w), expected)
+  with pytest.raises(ValueError, match=r"group_sizes must be integer \[5\]"):
+    grouped.grouped_bf16_matmul(x, jnp.ones(4, jnp.int32), w, interpret=INTERPRET)
+
+
 @pytest.mark.parametrize("sizes", [[5, 0, 20, 0, 3], [1, 1, 1, 1, 1], [0, 33, 0, 0, 0], [16, 16, 1, 0, 0], [0] * 5])
 def test_group_metadata_covers_every_row_once_with_tiles_from_group_starts(sizes):
   meta = np.asarray(grouped.make_group_metadata(jnp.asarray(sizes, jnp.int32), 33, 16))
