@@ -11,8 +11,12 @@ Dense (nn.Linear, weight [N, K]): x[M, K] bf16 with M in {1, 8, 64}, K = N in {4
   ptx          the same with ptx_decode=True (codes decoded by inline PTX byte permutes; GPU only)
   fp4 w4a4     fp4_matmul with quantize_activations=True (RTN NVFP4 fake-quant prologue on x)
 Grouped (MoE experts, E=128, top-8, hidden 2048, expert intermediate 768; gate_up [E, 1536, 2048]
-and down [E, 2048, 768]), T tokens in {8, 64, 256} routed uniformly at random:
-  bf16         jax.lax.ragged_dot with bf16 weights [E, K, N]
+and down [E, 2048, 768]), T tokens in {8, 64, 256} routed uniformly at random, a new routing for
+every call (so nothing that depends on group_sizes is amortized across calls):
+  bf16         grouped_bf16_matmul: the same kernel family (visits, tiles, K loop) on bf16 weights,
+               the baseline of "speedup"
+  xla          jax.lax.ragged_dot with bf16 weights [E, K, N], for reference: XLA rewrites it into a
+               dense masked matmul over all experts, so a speedup against it says little
   fp4          grouped_fp4_matmul (NVFP4); ptx: with ptx_decode=True
 
 Timing. Each jitted call runs the op on `calls` different inputs in one dispatch (no loop, so XLA
@@ -22,8 +26,13 @@ HBM-bound steady state, like a decode step that walks all layers. Warmup runs fi
 repetition ends in block_until_ready; the median over repetitions is reported.
 
 Bytes are what the op must read and write: weights (codes + scales for FP4; for grouped only the
-experts that got rows) + activations + output. GB/s is bytes / time, against the measured copy
-bandwidth of the device (a device-to-device copy of 2 GiB: read + write) and the nominal 4.8 TB/s.
+experts that got rows, mean over the routings) + activations + output. GB/s is bytes / time,
+against the measured copy bandwidth of the device (a device-to-device copy of 2 GiB: read + write)
+("%copy") and the nominal 4.8 TB/s ("%peak").
+
+With requirements-gpu-compile.txt installed, each row also gets the kernel's static figures
+(`pallas_kernels.gpu_compile`, compiled for sm_90a: launches per call, registers, SASS instructions
+per weight in the main loop), so that timings and instruction counts sit side by side.
 "speedup" is bf16 time / the faster fp4 (w4a16 or ptx) time; "vs roof" is the bf16 roofline time
 (bf16 bytes at the measured copy bandwidth) over that fp4 time. The issue's goal: >= 2.5x at M <= 16.
 
@@ -194,8 +203,8 @@ def _sweep(name, kernel, xs, weights, setup: Setup, configs, fp4_bytes, bf16_t, 
 def bench_dense(setup: Setup, copy_bw: float, sweep: bool, report: Report):
   shapes = [(1, 256), (8, 256)] if setup.smoke else [(m, k) for k in (4096, 8192) for m in (1, 8, 64)]
   header = ["M", "K=N", "bf16 us", "GB/s", "w4a16 us", "GB/s", "%copy", "ptx us", "GB/s", "w4a4 us", "speedup"]
-  header += ["vs roof", "err", "ptx err"]
-  widths = [4, 6, 9, 7, 9, 7, 6, 8, 7, 9, 8, 8, 8, 8]
+  header += ["vs roof", "err", "ptx err", "%peak", "instr/w"]
+  widths = [4, 6, 9, 7, 9, 7, 6, 8, 7, 9, 8, 8, 8, 8, 6, 8]
   print("\nDense  x[M,K] @ w[N,K]^T  (NVFP4 weights, bf16 out)")
   print(_fmt_row(header, widths))
   rng = np.random.default_rng(0)
@@ -226,13 +235,17 @@ def bench_dense(setup: Setup, copy_bw: float, sweep: bool, report: Report):
     row = [m, k, _us(bf16_t), f"{bf16_bytes / bf16_t / 1e9:.0f}", _us(w4a16_t), f"{fp4_bytes / w4a16_t / 1e9:.0f}"]
     row += [f"{100 * fp4_bytes / best / copy_bw:.0f}", _us(ptx_t), f"{fp4_bytes / ptx_t / 1e9:.0f}", _us(w4a4_t)]
     row += [f"{bf16_t / best:.2f}x", f"{bf16_bytes / copy_bw / best:.2f}x", f"{err:.1e}", f"{ptx_err:.1e}"]
+    figures = static_figures("dense", m, n, k, not setup.interpret)
+    row += [f"{100 * fp4_bytes / best / NOMINAL_BW:.0f}"]
+    row += ["n/a" if not figures or "error" in figures else figures["instructions_per_weight"]]
     print(_fmt_row(row, widths))
     report.add(
       "dense",
       dict(m=m, k=k, n=n, bf16_bytes=bf16_bytes, fp4_bytes=fp4_bytes, bf16_us=bf16_t * 1e6,
            bf16_gbps=bf16_bytes / bf16_t / 1e9, w4a16_us=w4a16_t * 1e6, w4a16_gbps=fp4_bytes / w4a16_t / 1e9,
            pct_copy=100 * fp4_bytes / best / copy_bw, ptx_us=ptx_t * 1e6, ptx_gbps=fp4_bytes / ptx_t / 1e9,
-           w4a4_us=w4a4_t * 1e6, speedup=bf16_t / best, vs_roof=bf16_bytes / copy_bw / best, err=err, ptx_err=ptx_err),
+           w4a4_us=w4a4_t * 1e6, speedup=bf16_t / best, vs_roof=bf16_bytes / copy_bw / best, err=err, ptx_err=ptx_err,
+           pct_peak=100 * fp4_bytes / best / NOMINAL_BW, static=figures),
     )  # fmt: skip
     if sweep and (k == shapes[0][1]):
       tiles = dense.default_tiles(m, n, k, wq.fmt, interpret=setup.interpret)
@@ -249,64 +262,97 @@ def _route(tokens: int, num_experts: int, top_k: int, rng) -> np.ndarray:
   return np.bincount(experts.ravel(), minlength=num_experts).astype(np.int32)
 
 
+def _time_grouped(op, xs, weights, routings, setup: Setup) -> float:
+  """Seconds per op(x, w, group_sizes), call i with x_i, weight copy i % copies and routing i."""
+
+  @jax.jit
+  def run(xs, weights, routings):
+    return tuple(op(x, weights[i % len(weights)], routings[i]) for i, x in enumerate(xs))
+
+  return _median_seconds(run, (xs, weights, routings), setup)
+
+
+def static_figures(kind: str, m: int, n: int, k: int, ptx: bool, **grouped_shape) -> dict | None:
+  """The kernel's figures compiled for sm_90a (experiments/kernel_report.py), or None without the
+  toolchain (requirements-gpu-compile.txt)."""
+  from experiments import kernel_report
+  from pallas_kernels import gpu_compile
+
+  if gpu_compile.missing():
+    return None
+  try:
+    row = kernel_report.report_row(kernel_report.Case(kind, m, n, k, ptx_decode=ptx, **grouped_shape))
+  except Exception as e:  # a figure we could not read is reported, not fatal
+    return dict(error=f"{type(e).__name__}: {str(e)[:200]}")
+  return {key: row[key] for key in ("launches", "registers", "spill_bytes", "instructions_per_weight")}
+
+
 def bench_grouped(setup: Setup, copy_bw: float, sweep: bool, report: Report):
   if setup.smoke:
     num_experts, top_k, hidden, inter, token_counts = 8, 2, 256, 64, (8,)
   else:
     num_experts, top_k, hidden, inter, token_counts = 128, 8, 2048, 768, (8, 64, 256)
   layers = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}  # (N, K)
-  header = ["layer", "T", "rows", "experts", "bf16 us", "GB/s", "fp4 us", "GB/s", "%copy", "ptx us", "speedup"]
-  header += ["vs roof", "err", "ptx err"]
-  widths = [7, 4, 5, 7, 9, 7, 9, 7, 6, 8, 8, 8, 8, 8]
+  header = ["layer", "T", "rows", "experts", "bf16 us", "GB/s", "fp4 us", "GB/s", "%copy", "%peak", "ptx us"]
+  header += ["speedup", "xla us", "err", "ptx err", "instr/w"]
+  widths = [7, 4, 5, 7, 9, 7, 9, 7, 6, 6, 8, 8, 9, 8, 8, 8]
   print(f"\nGrouped MoE  E={num_experts} top-{top_k} hidden={hidden} expert intermediate={inter}  (NVFP4, bf16 out)")
   print(_fmt_row(header, widths))
   rng = np.random.default_rng(1)
   for name, (n, k) in layers.items():
     w = jax.random.normal(jax.random.PRNGKey(0), (num_experts, n, k), jnp.float32)
-    w_bf16 = jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16)  # [E, K, N] for ragged_dot
+    w_bf16 = w.astype(jnp.bfloat16)  # [E, N, K] for the grouped kernels
     wq = jax.jit(fp4.quantize, static_argnums=1)(w, "nvfp4")
     del w
     for tokens in token_counts:
-      sizes = _route(tokens, num_experts, top_k, rng)
-      rows, active = int(sizes.sum()), int((sizes > 0).sum())
-      group_sizes = jnp.asarray(sizes)
+      sizes = [_route(tokens, num_experts, top_k, rng) for _ in range(setup.calls)]
+      routings = [jnp.asarray(s) for s in sizes]
+      rows, active = int(sizes[0].sum()), float(np.mean([(s > 0).sum() for s in sizes]))
       xs = [jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16) for _ in range(setup.calls)]
       act_bytes = rows * k * 2 + rows * n * 2
       bf16_bytes = active * n * k * 2 + act_bytes
       fp4_bytes = active * (n * k // 2 + n * k // wq.fmt.block_size) + act_bytes
 
       bf16_weights = _copies(w_bf16, _num_copies(bf16_bytes, setup))
+      bf16_kernel = lambda x, w, g: grouped.grouped_bf16_matmul(x, g, w, interpret=setup.interpret)
+      bf16_t = _time_grouped(bf16_kernel, xs, bf16_weights, routings, setup)
       try:
-        bf16_t = _time_op(lambda x, w, g: jax.lax.ragged_dot(x, w, g), xs, bf16_weights, setup, group_sizes)
-      except Exception as e:  # report it and go on with the FP4 kernel
+        ragged = lambda x, w, g: jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), g)
+        xla_t = _time_grouped(ragged, xs, bf16_weights, routings, setup)
+      except Exception as e:  # report it and go on with the kernels
         print(f"      bf16 ragged_dot failed: {type(e).__name__}: {str(e)[:200]}")
-        bf16_t = float("nan")
+        xla_t = float("nan")
       del bf16_weights
       fp4_weights = _copies(wq, _num_copies(fp4_bytes, setup))
       kernel = lambda x, w, g, **cfg: grouped.grouped_fp4_matmul(x, g, w, interpret=setup.interpret, **cfg)
-      expected = grouped.grouped_fp4_matmul_reference(xs[0], group_sizes, wq)
-      check = functools.partial(_error, args=(xs[0], wq, group_sizes), expected=expected)
-      fp4_t, err = _time_op(kernel, xs, fp4_weights, setup, group_sizes), check(kernel)
+      expected = grouped.grouped_fp4_matmul_reference(xs[0], routings[0], wq)
+      check = functools.partial(_error, args=(xs[0], wq, routings[0]), expected=expected)
+      fp4_t, err = _time_grouped(kernel, xs, fp4_weights, routings, setup), check(kernel)
       ptx_t, ptx_err = float("nan"), float("nan")
       if not setup.interpret:
         ptx = functools.partial(kernel, ptx_decode=True)
-        ptx_t, ptx_err = _time_op(ptx, xs, fp4_weights, setup, group_sizes), check(ptx)
+        ptx_t, ptx_err = _time_grouped(ptx, xs, fp4_weights, routings, setup), check(ptx)
       best = np.nanmin([fp4_t, ptx_t])
-      row = [name, tokens, rows, active, _us(bf16_t), f"{bf16_bytes / bf16_t / 1e9:.0f}", _us(fp4_t)]
-      row += [f"{fp4_bytes / fp4_t / 1e9:.0f}", f"{100 * fp4_bytes / best / copy_bw:.0f}", _us(ptx_t)]
-      row += [f"{bf16_t / best:.2f}x", f"{bf16_bytes / copy_bw / best:.2f}x", f"{err:.1e}", f"{ptx_err:.1e}"]
+      shape = dict(experts=num_experts, tokens=tokens)
+      figures = static_figures("grouped", rows, n, k, not setup.interpret, **shape)
+      ipw = "n/a" if not figures or "error" in figures else figures["instructions_per_weight"]
+      row = [name, tokens, rows, f"{active:.0f}", _us(bf16_t), f"{bf16_bytes / bf16_t / 1e9:.0f}", _us(fp4_t)]
+      row += [f"{fp4_bytes / fp4_t / 1e9:.0f}", f"{100 * fp4_bytes / best / copy_bw:.0f}"]
+      row += [f"{100 * fp4_bytes / best / NOMINAL_BW:.0f}", _us(ptx_t), f"{bf16_t / best:.2f}x", _us(xla_t)]
+      row += [f"{err:.1e}", f"{ptx_err:.1e}", ipw]
       print(_fmt_row(row, widths))
       report.add(
         "grouped",
         dict(layer=name, experts=num_experts, top_k=top_k, n=n, k=k, tokens=tokens, rows=rows, active_experts=active,
              bf16_bytes=bf16_bytes, fp4_bytes=fp4_bytes, bf16_us=bf16_t * 1e6, bf16_gbps=bf16_bytes / bf16_t / 1e9,
              fp4_us=fp4_t * 1e6, fp4_gbps=fp4_bytes / fp4_t / 1e9, pct_copy=100 * fp4_bytes / best / copy_bw,
-             ptx_us=ptx_t * 1e6, speedup=bf16_t / best, vs_roof=bf16_bytes / copy_bw / best, err=err, ptx_err=ptx_err),
+             pct_peak=100 * fp4_bytes / best / NOMINAL_BW, ptx_us=ptx_t * 1e6, speedup=bf16_t / best,
+             xla_ragged_dot_us=xla_t * 1e6, speedup_vs_xla=xla_t / best, err=err, ptx_err=ptx_err, static=figures),
       )  # fmt: skip
       if sweep and tokens == token_counts[0]:
         configs = [c for c in GROUPED_CONFIGS if not (setup.interpret and c["ptx_decode"])]
         shape = dict(layer=name, tokens=tokens, n=n, k=k)
-        _sweep(name, kernel, xs, fp4_weights, setup, configs, fp4_bytes, bf16_t, check, group_sizes, report=report,
+        _sweep(name, kernel, xs, fp4_weights, setup, configs, fp4_bytes, bf16_t, check, routings[0], report=report,
                shape=shape)  # fmt: skip
       del fp4_weights
     del w_bf16, wq

@@ -163,7 +163,7 @@ def main_loop(sass: str) -> list[str]:
     if mmas and (best is None or mmas > best[0] or (mmas == best[0] and len(body) > len(best[1]))):
       best = (mmas, body)
   if best is None:
-    raise ValueError("no loop with an MMA instruction in this SASS")
+    raise ValueError("no loop with an MMA instruction in this SASS (one K tile: the K loop is unrolled away)")
   return best[1]
 
 
