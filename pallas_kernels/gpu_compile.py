@@ -52,14 +52,16 @@ def _nvidia_bin(tool: str) -> str | None:
   return shutil.which(tool)
 
 
-def missing() -> list[str]:
-  """What the deviceless compile lacks here (empty when it can run), each with its fix."""
+def missing(check_env: bool = True) -> list[str]:
+  """What the deviceless compile lacks here (empty when it can run), each with its fix.
+  check_env=False: leave out the environment variable (for a caller that starts a child process
+  with it set)."""
   out = []
   if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
     out.append(
       f"the CUDA PJRT plugin: pip install jax-cuda12-plugin=={jax.__version__} jax-cuda12-pjrt=={jax.__version__}"
     )
-  if os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK") != "1":
+  if check_env and os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK") != "1":
     out.append("JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 in the environment before jax starts (no CUDA driver here)")
   if _nvidia_bin("ptxas") is None:
     out.append("ptxas: pip install nvidia-cuda-nvcc-cu12")

@@ -2,26 +2,29 @@
 launch what we expect, and their decode loop stays within its instruction figures.
 
 Needs requirements-gpu-compile.txt (the CUDA plugin, ptxas, nvdisasm); skipped, with what is
-missing, without it. conftest.py sets JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 before jax starts. The
-parsers are also checked on hand-written compiler output, which needs nothing.
+missing, without it. The compiles run in a child process (experiments/kernel_report.py --cases
+tests). The parsers are also checked on hand-written compiler output, which needs nothing.
 
 The ceilings below are today's figures (experiments/kernel_report.py, docs/perf/kernel_report.md),
 a regression guard: the issue's budget of 2.5 instructions per weight is not met yet, and
 `report_row(...)["within_budget"]` says so.
 """
 
-import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from experiments import kernel_report
 from pallas_kernels import gpu_compile
-from pallas_kernels import grouped_fp4_matmul as grouped
 
-MISSING = gpu_compile.missing()
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+MISSING = gpu_compile.missing(check_env=False)  # the child process gets the variable
 needs_toolchain = pytest.mark.skipif(bool(MISSING), reason="; ".join(MISSING))
 
 THUNKS = """\
@@ -73,22 +76,29 @@ def test_expert_streams_one_per_group_of_at_most_block_m_rows():
   assert kernel_report.expert_streams(np.array([20, 1]), 16) == (3, 2)
 
 
-# --- compiled for sm_90a -----------------------------------------------------------------------
-
-DENSE = kernel_report.Case("dense", 8, 8192, 8192, ptx_decode=True)
-DENSE_DEFAULT = kernel_report.Case("dense", 8, 8192, 8192)
-GROUPED = kernel_report.Case("grouped", 64 * 8, 1536, 2048, experts=128, tokens=64, ptx_decode=True)
+# --- compiled for sm_90a, in a child process -------------------------------------------------
+#
+# The GPU compiler (the CUDA plugin's XLA and LLVM) runs in its own process, never in the test
+# process: two LLVM-based compilers in one process is a risk that the rest of the suite should not
+# carry. One child compiles every case of kernel_report.TEST_CASES once (about 10 s).
 
 
 @pytest.fixture(scope="module")
-def rows():
-  return {case: kernel_report.report_row(case) for case in (DENSE, DENSE_DEFAULT, GROUPED)}
+def rows(tmp_path_factory):
+  out = tmp_path_factory.mktemp("kernel_report") / "report"
+  env = dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+  cmd = [sys.executable, "experiments/kernel_report.py", "--cases", "tests", "--out", str(out)]
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  report = json.loads(out.with_suffix(".json").read_text())
+  assert (out.with_suffix(".md").read_text().count("\n")) == 2 + len(kernel_report.TEST_CASES)
+  return {row["label"]: row for row in report["rows"]}
 
 
 @needs_toolchain
-@pytest.mark.parametrize("case", [DENSE, DENSE_DEFAULT, GROUPED], ids=["dense_ptx", "dense", "grouped_ptx"])
-def test_kernel_compiles_without_spills(rows, case):
-  row = rows[case]
+@pytest.mark.parametrize("label", [case.label for case in kernel_report.TEST_CASES])
+def test_kernel_compiles_without_spills(rows, label):
+  row = rows[label]
   assert row["spill_bytes"] == 0 and row["registers"] <= 168  # 3 programs of 128 threads per SM
   assert row["loop_mmas"] > 0
 
@@ -96,43 +106,23 @@ def test_kernel_compiles_without_spills(rows, case):
 @needs_toolchain
 def test_decode_launches(rows):
   # M is not padded outside the kernel any more; split K still sums its partials in a second launch.
-  assert rows[DENSE]["launch_names"] == ["fp4_matmul_nvfp4", "loop_reduce_fusion"]
+  assert rows["dense_ptx"]["launch_names"] == ["fp4_matmul_nvfp4", "loop_reduce_fusion"]
   # The grouped kernel works out its visits itself: one launch (it was 16: metadata, pad, broadcast).
-  assert rows[GROUPED]["launch_names"] == ["grouped_fp4_matmul_nvfp4"]
+  assert rows["grouped_ptx"]["launch_names"] == ["grouped_fp4_matmul_nvfp4"]
   # Tiles start at group boundaries: each of the 126 experts with rows is streamed once.
-  assert rows[GROUPED]["expert_streams"] == rows[GROUPED]["experts_with_rows"] == 126
-
-
-@needs_toolchain
-def test_grouped_kernel_compiles_for_any_number_of_experts():
+  assert rows["grouped_ptx"]["expert_streams"] == rows["grouped_ptx"]["experts_with_rows"] == 126
   # Triton's arrays have power-of-two sizes: 6 experts' group sizes are padded with empty groups.
-  case = kernel_report.Case("grouped", 20, 64, 1024, experts=6, tokens=10, fmt="mxfp4")
-  row = kernel_report.report_row(case)
-  assert row["launch_names"] == ["loop_pad_fusion", "grouped_fp4_matmul_mxfp4"] and row["spill_bytes"] == 0
+  assert rows["grouped_6_experts"]["launch_names"] == ["loop_pad_fusion", "grouped_fp4_matmul_mxfp4"]
+  # The benchmark's bf16 baseline is the same kernel family: one launch.
+  assert rows["grouped_bf16"]["launch_names"] == ["grouped_bf16_matmul"]
 
 
 @needs_toolchain
 def test_decode_instructions_per_weight(rows):
-  # Today's figures (+5%): the inline-PTX decode 7.36 (dense) and 6.68 (grouped), the plain one 10.4.
-  assert rows[DENSE]["instructions_per_weight"] <= 7.75
-  assert rows[GROUPED]["instructions_per_weight"] <= 7.0
-  assert rows[DENSE_DEFAULT]["instructions_per_weight"] <= 11.0
-  assert not rows[DENSE]["within_budget"]  # when this fails, the budget is met: tighten the ceilings
-
-
-@needs_toolchain
-def test_report_smoke(tmp_path):
-  rows = kernel_report.main(["--smoke", "--out", str(tmp_path / "report")])
-  assert len(rows) == 2 and (tmp_path / "report.md").read_text().count("\n") == 4
-
-
-@needs_toolchain
-def test_grouped_bf16_baseline_compiles():
-  # The benchmarks' bf16 baseline is the same kernel family: it compiles to one launch, no spills.
-  x = jax.ShapeDtypeStruct((512, 2048), jnp.bfloat16)
-  sizes = jax.ShapeDtypeStruct((128,), jnp.int32)
-  w = jax.ShapeDtypeStruct((128, 1536, 2048), jnp.bfloat16)
-  program = gpu_compile.compile_for_h200(functools.partial(grouped.grouped_bf16_matmul, interpret=False), x, sizes, w)
-  assert [launch.name for launch in program.launches] == ["grouped_bf16_matmul"]
-  [kernel] = program.kernels.values()
-  assert kernel.resources.spill_stores == 0
+  # Today's figures (+5%): the inline-PTX decode 7.36 (dense) and 6.66 (grouped), the plain one 10.4.
+  assert rows["dense_ptx"]["instructions_per_weight"] <= 7.75
+  assert rows["grouped_ptx"]["instructions_per_weight"] <= 7.0
+  assert rows["dense"]["instructions_per_weight"] <= 11.0
+  assert not rows["dense_ptx"]["within_budget"]  # when this fails, the budget is met: tighten the ceilings
+  # The bf16 baseline's loop (loads and MMAs, no decode) is far cheaper per weight: the decode is the cost.
+  assert rows["grouped_bf16"]["instructions_per_weight"] < rows["grouped_ptx"]["instructions_per_weight"] / 3
