@@ -132,7 +132,7 @@ def report_row(case: Case) -> dict:
     partial_bytes = 0 if tiles.k_splits == 1 else 2 * tiles.k_splits * case.m * case.n * 4
   else:  # grouped, grouped_bf16: the same tiles
     tiles = dense.make_tiles(
-      -(-case.m // case.experts),
+      grouped.group_tile_rows(case.m, case.experts),
       case.n,
       case.k,
       fmt,
