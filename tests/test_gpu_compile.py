@@ -119,10 +119,10 @@ def test_decode_launches(rows):
 
 @needs_toolchain
 def test_decode_instructions_per_weight(rows):
-  # Today's figures (+5%): the inline-PTX decode 7.36 (dense) and 6.66 (grouped), the plain one 10.4.
-  assert rows["dense_ptx"]["instructions_per_weight"] <= 7.75
+  # Today's figures (+5%): the inline-PTX decode 6.62 (dense) and 6.66 (grouped), the plain one 10.1.
+  assert rows["dense_ptx"]["instructions_per_weight"] <= 6.95
   assert rows["grouped_ptx"]["instructions_per_weight"] <= 7.0
-  assert rows["dense"]["instructions_per_weight"] <= 11.0
+  assert rows["dense"]["instructions_per_weight"] <= 10.6
   assert not rows["dense_ptx"]["within_budget"]  # when this fails, the budget is met: tighten the ceilings
   # The bf16 baseline's loop (loads and MMAs, no decode) is far cheaper per weight: the decode is the cost.
   assert rows["grouped_bf16"]["instructions_per_weight"] < rows["grouped_ptx"]["instructions_per_weight"] / 3
