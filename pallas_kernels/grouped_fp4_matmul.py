@@ -14,14 +14,16 @@ Mapping groups to tiles (the megablox / tokamax pattern, with tiles aligned to t
     the call is one launch: no metadata kernels before it.
   * A group of s rows takes ceil(s / block_m) visits, each streaming its expert's weights once:
     a group is never split across two fixed row tiles, which streamed the expert twice (+14% weight
-    bytes at 64 tokens top-8 of 128 experts, +89% at 256; experiments/kernel_report.py). That is
+    bytes at 64 tokens top-8 of 128 experts; experiments/kernel_report.py). block_m follows the
+    mean group size (`group_tile_rows`). That is
     still at most m_tiles + E visits; the grid is (m_tiles + E, n tiles), and grid steps past the
     real number of visits do nothing.
   * A visit loads block_m rows of x from its first row (or the last block_m rows of x, when that
     block would reach past them: no padding of x, no out-of-bounds address), its expert's weight
     tile (a dynamic index into the [E, ...] arrays), runs the same K loop as the dense kernel, and
-    stores only the rows of its group with a masked store. Visits own disjoint rows, so programs running concurrently on the GPU never write the
-    same element; the pseudo group skips the K loop and stores zeros.
+    stores only the rows of its group with a masked store. Visits own disjoint rows, so programs
+    running concurrently on the GPU never write the same element; the pseudo group skips the K
+    loop and stores zeros.
   * Visits of one group are adjacent along grid axis 0, so programs that read the same expert
     tile run close together and share it through L2.
 """
@@ -281,7 +283,7 @@ def grouped_bf16_matmul(
   m = x.shape[0]
   interpret = dense.resolve_interpret(interpret)
   tiles = dense.make_tiles(
-    pl.cdiv(m, num_groups),
+    group_tile_rows(m, num_groups),
     n,
     k,
     fp4.NVFP4,  # only for the defaults and checks that the FP4 kernel gets: no decode here
