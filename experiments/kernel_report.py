@@ -1,7 +1,8 @@
 """Static figures of the FP4 kernels compiled for an H200 (sm_90a) without a GPU, and a roofline.
 
   JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python experiments/kernel_report.py --out docs/perf/kernel_report
-  ... --smoke      # two small shapes (the test suite runs this path)
+  ... --smoke      # two small shapes
+  ... --cases tests  # what tests/test_gpu_compile.py checks (TEST_CASES), in a child process
 
 Needs `requirements-gpu-compile.txt` (the CUDA plugin, ptxas, nvdisasm); the script sets
 JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 itself when run as a program. Each row is one kernel call

@@ -213,8 +213,8 @@ def compile_for_h200(
   work = keep_dir or tempfile.mkdtemp(prefix="gpu_compile_")
   os.makedirs(work, exist_ok=True)
   dump = os.path.join(work, "xla_dump")
-  jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compile(compiler_options={"xla_dump_to": dump})
   try:
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compile(compiler_options={"xla_dump_to": dump})
     [sequence] = glob.glob(os.path.join(dump, "*.thunk_sequence.txt"))
     launches = parse_launches(pathlib.Path(sequence).read_text())
     kernels = {}
