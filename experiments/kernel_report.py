@@ -132,16 +132,7 @@ def report_row(case: Case) -> dict:
     streamed = distinct = 1
     partial_bytes = 0 if tiles.k_splits == 1 else 2 * tiles.k_splits * case.m * case.n * 4
   else:  # grouped, grouped_bf16: the same tiles
-    tiles = dense.make_tiles(
-      grouped.group_tile_rows(case.m, case.experts),
-      case.n,
-      case.k,
-      fmt,
-      interpret=False,
-      split_k=False,
-      parallel=case.experts,
-      ptx_decode=case.ptx_decode,
-    )
+    tiles = grouped.grouped_tiles(case.m, w, False, ptx_decode=case.ptx_decode)
     sizes = jax.ShapeDtypeStruct((case.experts,), jnp.int32)
     if case.kind == "grouped_bf16":
       fn = functools.partial(grouped.grouped_bf16_matmul, interpret=False)

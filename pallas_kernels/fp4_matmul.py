@@ -312,11 +312,6 @@ def prepare_activations(
   return x.astype(jnp.bfloat16)
 
 
-def pad_rows(x: jax.Array, multiple: int) -> jax.Array:
-  pad = -x.shape[0] % multiple
-  return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
-
-
 def scale_bytes(w: fp4.QuantizedArray) -> jax.Array:
   return jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
 

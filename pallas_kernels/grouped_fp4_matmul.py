@@ -174,6 +174,43 @@ def _check_group_sizes(group_sizes: jax.Array, num_groups: int, what: str):
     )
 
 
+def grouped_tiles(m: int, w, interpret: bool, **chosen) -> dense.Tiles:
+  """The tiles of both grouped kernels for x [m, K] and w [E, N, K] (packed or bf16): rows from
+  `group_tile_rows`, K not split (MoE layers already give many programs: visits x n tiles)."""
+  num_groups, n, k = w.shape
+  fmt = w.fmt if isinstance(w, fp4.QuantizedArray) else fp4.NVFP4  # bf16: the FP4 kernel's defaults
+  return dense.make_tiles(
+    group_tile_rows(m, num_groups), n, k, fmt, interpret=interpret, split_k=False, parallel=num_groups, **chosen
+  )
+
+
+def _whole(shape):
+  """A block that is the whole array, for every program of the (visit, n tile) grid."""
+  return pl.BlockSpec(shape, lambda v, j: (0,) * len(shape))
+
+
+def _visit_grid_call(kernel, x, group_sizes, weight_specs, weight_operands, n, tiles, out_dtype, interpret, name):
+  """`kernel(sizes_ref, x_ref, *weight_refs, out_ref)` over the (visit, n tile) grid: the group
+  sizes (`_padded_sizes`) and x whole, then the weight operands with their specs. x shorter than
+  one block is padded to it (a few rows at most); out is [M, N]."""
+  m, k = x.shape
+  if m < tiles.block_m:
+    x = jnp.pad(x, ((0, tiles.block_m - m), (0, 0)))
+  m_padded = x.shape[0]
+  sizes = _padded_sizes(group_sizes)
+  out = pl.pallas_call(
+    functools.partial(kernel, tiles=tiles, num_rows=m, num_groups=group_sizes.shape[0]),
+    out_shape=jax.ShapeDtypeStruct((m_padded, n), out_dtype),
+    grid=(num_visits(m, group_sizes.shape[0], tiles.block_m), n // tiles.block_n),
+    in_specs=[_whole(sizes.shape), _whole((m_padded, k)), *weight_specs],
+    out_specs=pl.BlockSpec((m_padded, tiles.block_n), lambda v, j: (0, j)),
+    compiler_params=dense.compiler_params(tiles),
+    interpret=interpret,
+    name=name,
+  )(sizes, x, *weight_operands)
+  return out[:m] if m_padded > m else out
+
+
 @dense.jit_kernel
 def grouped_fp4_matmul(
   x: jax.Array,
@@ -207,54 +244,23 @@ def grouped_fp4_matmul(
       f"grouped_fp4_matmul: tensor_scale must hold 1 or {num_groups} (one per expert) values, "
       f"got shape {jnp.shape(tensor_scale)}."
     )
-  m = x.shape[0]
   interpret = dense.resolve_interpret(interpret)
-  tiles = dense.make_tiles(
-    group_tile_rows(m, num_groups),
-    n,
-    k,
-    w.fmt,
-    interpret=interpret,
-    block_m=block_m,
-    block_n=block_n,
-    block_k=block_k,
-    num_warps=num_warps,
-    num_stages=num_stages,
-    ptx_decode=ptx_decode,
-    split_k=False,
-    parallel=num_groups,
-  )
+  chosen = dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+  tiles = grouped_tiles(x.shape[0], w, interpret, ptx_decode=ptx_decode, **chosen)
   x = dense.prepare_activations(x, quantize_activations, activation_format, w.fmt)
-  if m < tiles.block_m:  # fewer rows than one block: pad (a few rows at most)
-    x = jnp.pad(x, ((0, tiles.block_m - m), (0, 0)))
-  m_padded = x.shape[0]
-
-  sizes = _padded_sizes(group_sizes)
-  full = lambda shape: pl.BlockSpec(shape, lambda v, j: (0,) * len(shape))
-  in_specs = [
-    full(sizes.shape),
-    full((m_padded, k)),
+  specs = [
     pl.BlockSpec((num_groups, tiles.block_n, k // 2), lambda v, j: (0, j, 0)),
     pl.BlockSpec((num_groups, tiles.block_n, k // w.fmt.block_size), lambda v, j: (0, j, 0)),
   ]
-  operands = [sizes, x, w.codes, dense.scale_bytes(w)]
+  operands = [w.codes, dense.scale_bytes(w)]
   if tensor_scale is not None:  # [1, 1] or [E, 1]: a reshape, no broadcast (no launch)
     tensor_scale = jnp.asarray(tensor_scale, jnp.float32).reshape(-1, 1)
-    in_specs.append(full(tensor_scale.shape))
+    specs.append(_whole(tensor_scale.shape))
     operands.append(tensor_scale)
-
-  kernel = functools.partial(_grouped_kernel, fmt=w.fmt, tiles=tiles, num_rows=m, num_groups=num_groups)
-  out = pl.pallas_call(
-    kernel,
-    out_shape=jax.ShapeDtypeStruct((m_padded, n), out_dtype),
-    grid=(num_visits(m, num_groups, tiles.block_m), n // tiles.block_n),
-    in_specs=in_specs,
-    out_specs=pl.BlockSpec((m_padded, tiles.block_n), lambda v, j: (0, j)),
-    compiler_params=dense.compiler_params(tiles),
-    interpret=interpret,
-    name=f"grouped_fp4_matmul_{w.fmt.name}",
-  )(*operands)
-  return out[:m] if m_padded > m else out
+  kernel = functools.partial(_grouped_kernel, fmt=w.fmt)
+  return _visit_grid_call(
+    kernel, x, group_sizes, specs, operands, n, tiles, out_dtype, interpret, f"grouped_fp4_matmul_{w.fmt.name}"
+  )
 
 
 @dense.jit_kernel
@@ -280,43 +286,14 @@ def grouped_bf16_matmul(
     )
   num_groups, n, k = w.shape
   _check_group_sizes(group_sizes, num_groups, "grouped_bf16_matmul")
-  m = x.shape[0]
   interpret = dense.resolve_interpret(interpret)
-  tiles = dense.make_tiles(
-    group_tile_rows(m, num_groups),
-    n,
-    k,
-    fp4.NVFP4,  # only for the defaults and checks that the FP4 kernel gets: no decode here
-    interpret=interpret,
-    block_m=block_m,
-    block_n=block_n,
-    block_k=block_k,
-    num_warps=num_warps,
-    num_stages=num_stages,
-    split_k=False,
-    parallel=num_groups,
-  )
-  x = x.astype(jnp.bfloat16)
-  if m < tiles.block_m:
-    x = jnp.pad(x, ((0, tiles.block_m - m), (0, 0)))
-  m_padded = x.shape[0]
-  sizes = _padded_sizes(group_sizes)
-  full = lambda shape: pl.BlockSpec(shape, lambda v, j: (0,) * len(shape))
-  out = pl.pallas_call(
-    functools.partial(_grouped_bf16_kernel, tiles=tiles, num_rows=m, num_groups=num_groups),
-    out_shape=jax.ShapeDtypeStruct((m_padded, n), out_dtype),
-    grid=(num_visits(m, num_groups, tiles.block_m), n // tiles.block_n),
-    in_specs=[
-      full(sizes.shape),
-      full((m_padded, k)),
-      pl.BlockSpec((num_groups, tiles.block_n, k), lambda v, j: (0, j, 0)),
-    ],
-    out_specs=pl.BlockSpec((m_padded, tiles.block_n), lambda v, j: (0, j)),
-    compiler_params=dense.compiler_params(tiles),
-    interpret=interpret,
-    name="grouped_bf16_matmul",
-  )(sizes, x, w.astype(jnp.bfloat16))
-  return out[:m] if m_padded > m else out
+  chosen = dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+  tiles = grouped_tiles(x.shape[0], w, interpret, **chosen)
+  specs = [pl.BlockSpec((num_groups, tiles.block_n, k), lambda v, j: (0, j, 0))]
+  return _visit_grid_call(
+    _grouped_bf16_kernel, x.astype(jnp.bfloat16), group_sizes, specs, [w.astype(jnp.bfloat16)], n, tiles, out_dtype,
+    interpret, "grouped_bf16_matmul",
+  )  # fmt: skip
 
 
 def grouped_fp4_matmul_reference(
