@@ -203,6 +203,35 @@ def test_expert_the_rollout_did_not_run_is_unmatched(moe_case):
   np.testing.assert_allclose(got["dense"].out, got["sorted"].out, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("ctx_name", ["fp32", "qat_guided"])
+def test_tile_layout_ffn_matches_ragged_dot(moe_case, ctx_name):
+  """The sorted path on CPU runs the whole expert FFN in the tiled dispatch's padded layout (_tiled_expert_ffn);
+  its outputs, per-row stats and gradients are lax.ragged_dot's (dispatch='ragged'), with guidance matched by
+  expert and an expert the rollout did not run. A skewed routing puts most rows on one expert, so groups span
+  several tiles and some tiles are padding."""
+  p, x, ids = moe_case
+  ctx = {"fp32": FP32, "qat_guided": GUIDED32}[ctx_name]
+  rollout_ids = ids.copy()
+  rollout_ids[::4, 0] = [min(set(range(TINY.num_experts)) - set(row)) for row in ids[::4]]
+  guidance = {"moe_hidden": hidden_guidance("full")} if ctx.quant else {}
+  gids = jnp.asarray(rollout_ids) if ctx.quant else None
+  skew = dataclasses.replace(p, router=p.router.at[:, 0].add(3.0))
+
+  def run(p, x, dispatch):
+    return moe.moe_block(p, x, TINY, ctx, guidance, guidance_ids=gids, dispatch=dispatch)
+
+  assert moe.grouped_dot_impl("tiled") == "tiled"
+  for params in (p, skew):
+    got, want = (jax.jit(run, static_argnums=2)(params, x, d) for d in ("tiled", "ragged"))
+    np.testing.assert_allclose(got.out, want.out, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_equal(got.stats, want.stats)
+    loss = lambda d: lambda p, x: jnp.sum(jnp.sin(run(p, x, d).out))
+    g_tiled, g_ragged = (jax.jit(jax.grad(loss(d), argnums=(0, 1)))(params, x) for d in ("tiled", "ragged"))
+    chex.assert_trees_all_close(g_tiled, g_ragged, rtol=1e-4, atol=1e-5)
+  counts = np.bincount(np.asarray(run(skew, x, "tiled").topk_ids).ravel(), minlength=TINY.num_experts)
+  assert counts.max() > moe.tile_rows(ids.size, TINY.num_experts)  # a group spans more than one tile
+
+
 def test_rows_without_guidance_round_to_nearest():
   """QatContext.guided_activation with `found`: found rows are guided and counted as without it; the others are
   rounded to nearest on their own scales and not counted."""

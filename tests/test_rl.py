@@ -485,7 +485,11 @@ def test_position_mismatch_metrics_against_numpy(tis_cap):
     "mismatch/seq_log_ratio_mean",
     "mismatch/seq_log_ratio_abs_mean",
     "mismatch/seq_ratio_outside_0.5_2",
-    *(f"mismatch/by_length/{stat}/len{n:03d}" for stat in ("log_ratio_abs_mean", "ratio_outside_0.5_2") for n in (8, 16, 32, 64)),
+    *(
+      f"mismatch/by_length/{stat}/len{n:03d}"
+      for stat in ("log_ratio_abs_mean", "ratio_outside_0.5_2")
+      for n in (8, 16, 32, 64)
+    ),
   }
   for length in (8, 16, 32, 64):
     abs_mean, outside_l = np_prefix_mismatch(train_logp, rollout_logp, mask, length)

@@ -2,7 +2,8 @@
 
 Expert compute has three implementations that agree (tests/test_model.py, tests/test_sharding.py):
   * 'sorted': sort the (token, slot) pairs by expert and run grouped matmuls (`grouped_dot`:
-    `lax.ragged_dot` on GPU/TPU, batched matmuls over row tiles on CPU), the trainer's path;
+    `lax.ragged_dot` on GPU/TPU), the trainer's path; on CPU the whole expert FFN runs as batched
+    matmuls in one padded tile layout (`_tiled_expert_ffn`);
   * 'dense': every expert on every selected slot, picked with a one-hot; the reference;
   * 'ep': expert parallelism over a mesh (expert_parallel.py): the sorted path's expert FFN,
     run where the experts live, with an all_to_all dispatch and a capacity.
@@ -188,18 +189,71 @@ def grouped_dot(x, w, group_sizes, *, transpose_w: bool = False, impl: str = "au
   return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
 
 
-def _expert_ffn(ctx: qat.QatContext, weights, xs, g_rows, found, group_sizes):
+def _expert_ffn(ctx: qat.QatContext, weights, xs, g_rows, found, group_sizes, impl: str = "auto"):
   """SwiGLU experts on rows xs [R, H] grouped by expert (group_sizes), guided A4 on the hidden rows
-  (found [R]: the rows whose guidance the rollout recorded; None = all)."""
+  (found [R]: the rows whose guidance the rollout recorded; None = all). impl: `grouped_dot`'s."""
   dt = ctx.compute_dtype
   gate_w, up_w, down_w = weights
   xs = xs.astype(dt)
-  gate = grouped_dot(xs, gate_w.astype(dt), group_sizes)
-  up = grouped_dot(xs, up_w.astype(dt), group_sizes)
+  gate = grouped_dot(xs, gate_w.astype(dt), group_sizes, impl=impl)
+  up = grouped_dot(xs, up_w.astype(dt), group_sizes, impl=impl)
   h = (jax.nn.silu(gate) * up).astype(dt)
   hq, s_hidden = ctx.guided_activation(h, "experts", g_rows, MOE_HIDDEN, found)
-  y = grouped_dot(hq.astype(dt), down_w.astype(dt), group_sizes)
+  y = grouped_dot(hq.astype(dt), down_w.astype(dt), group_sizes, impl=impl)
   return y, s_hidden
+
+
+def _tile_layout(ids: jax.Array, num_experts: int):
+  """Where the tiled dispatch puts each (token, slot) assignment: the layout of `_tiled_grouped_dot`
+  (each expert's rows padded to whole tiles of `tile_rows` rows, in the stable sort by expert),
+  reached straight from the assignments.
+
+  Returns (pos [A]: each assignment's row in the layout, src [tiles * m]: each layout row's
+  assignment (A for padding), tile_group [tiles]: each tile's expert, m, tiles), A = T * k.
+  """
+  flat = ids.reshape(-1)
+  a, g = flat.shape[0], num_experts
+  m = tile_rows(a, g)
+  tiles = -(-a // m) + g - 1
+  group_sizes = jnp.bincount(flat, length=g).astype(jnp.int32)
+  tiles_per_group = -(-group_sizes // m)
+  tile_end = jnp.cumsum(tiles_per_group)
+  order = jnp.argsort(flat, stable=True)
+  row_start = jnp.cumsum(group_sizes) - group_sizes
+  sorted_pos = (tile_end - tiles_per_group)[flat[order]] * m + jnp.arange(a) - row_start[flat[order]]
+  pos = jnp.zeros(a, jnp.int32).at[order].set(sorted_pos.astype(jnp.int32), unique_indices=True)
+  src = jnp.full(tiles * m, a, jnp.int32).at[pos].set(jnp.arange(a, dtype=jnp.int32), unique_indices=True)
+  tile_group = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(tiles), side="right", method="compare_all"), g - 1)
+  return pos, src, tile_group, m, tiles
+
+
+def _tiled_expert_ffn(ctx: qat.QatContext, weights, xq, ids, g_hidden, found, num_experts: int):
+  """The sorted path's expert FFN with every step in the tiled dispatch's layout (CPU).
+
+  `_expert_ffn` with `grouped_dot(impl='tiled')` would scatter rows into padded tiles and gather
+  them back around each of its three matmuls; here the token rows are gathered into the layout
+  once, gate/up, SwiGLU, the guided A4 of the hidden rows and down all run on [tiles, m, .] blocks,
+  and the outputs and per-row stats are gathered back once. Padding rows are zeros (their hidden
+  rows quantize to zeros, whatever guidance they borrow) and are never read back.
+
+  xq [T, H]; ids [T, k]; g_hidden / found: the hidden rows' guidance and coverage, [T * k] rows in
+  slot order (None: none / all). Returns (y [T, k, H] float32, per-row stats [T, k]).
+  """
+  dt = ctx.compute_dtype
+  t, k = ids.shape
+  a = t * k
+  pos, src, tile_group, m, tiles = _tile_layout(ids, num_experts)
+  gate_w, up_w, down_w = (w.astype(dt)[tile_group] for w in weights)  # [tiles, H, I], [tiles, I, H]
+  x = jnp.take(xq.astype(dt), src // k, axis=0, mode="fill", fill_value=0).reshape(tiles, m, -1)
+  gate = jnp.einsum("tmh,thi->tmi", x, gate_w, preferred_element_type=jnp.float32)
+  up = jnp.einsum("tmh,thi->tmi", x, up_w, preferred_element_type=jnp.float32)
+  h = (jax.nn.silu(gate) * up).astype(dt).reshape(tiles * m, -1)
+  rows = jnp.minimum(src, a - 1)  # padding borrows the last assignment's guidance: it rounds zeros
+  found_rows = None if found is None else found[rows]
+  hq, s_hidden = ctx.guided_activation(h, "experts", qat.take_rows(g_hidden, rows, a), MOE_HIDDEN, found_rows)
+  y = jnp.einsum("tmi,tih->tmh", hq.astype(dt).reshape(tiles, m, -1), down_w, preferred_element_type=jnp.float32)
+  y = y.reshape(tiles * m, -1)[pos].reshape(t, k, -1)
+  return y, jax.tree_util.tree_map(lambda s: s[pos].reshape(t, k), s_hidden)
 
 
 def _hidden_rows_by_expert(g, guidance_ids: jax.Array, ids: jax.Array):
@@ -225,6 +279,7 @@ def moe_block(
   impl: str = "sorted",
   expert_parallel: ExpertParallel | None = None,
   guidance_ids: jax.Array | None = None,
+  dispatch: str = "auto",
 ) -> MoEOutput:
   """x [T, H] -> MoEOutput. `guidance` maps 'moe_input' ([T] rows) and 'moe_hidden' ([T, k] rows).
 
@@ -233,6 +288,8 @@ def moe_block(
   row of the same expert, and an expert the rollout did not run for that token is rounded to
   nearest and left out of the counts. None: the rows follow this block's slots (routing replay).
   impl='ep' needs `expert_parallel` (the mesh and capacity) and reports dropped assignments.
+  dispatch: the sorted path's grouped matmuls (`grouped_dot_impl`: 'auto' is 'tiled' on CPU, run in
+  one padded tile layout by `_tiled_expert_ffn`, and 'ragged' elsewhere).
   """
   dt = ctx.compute_dtype
   t, k = x.shape[0], config.num_experts_per_tok
@@ -248,13 +305,16 @@ def moe_block(
     g_hidden, found = _hidden_rows_by_expert(g_hidden, guidance_ids, ids)
   dropped = None
 
-  if impl == "sorted":
+  if impl == "sorted" and grouped_dot_impl(dispatch) == "tiled":
+    y, s_hidden = _tiled_expert_ffn(ctx, (gate_w, up_w, down_w), xq, ids, g_hidden, found, config.num_experts)
+  elif impl == "sorted":
     flat_ids = ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)
     group_sizes = jnp.bincount(flat_ids, length=config.num_experts).astype(jnp.int32)
     g_sorted = qat.take_rows(g_hidden, order, t * k)
     found_sorted = None if found is None else found[order]
-    y_sorted, s_hidden = _expert_ffn(ctx, (gate_w, up_w, down_w), xq[order // k], g_sorted, found_sorted, group_sizes)
+    weights3 = (gate_w, up_w, down_w)
+    y_sorted, s_hidden = _expert_ffn(ctx, weights3, xq[order // k], g_sorted, found_sorted, group_sizes, dispatch)
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k))
     s_hidden = jax.tree_util.tree_map(lambda a: a[inverse].reshape(t, k), s_hidden)
