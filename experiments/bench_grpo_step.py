@@ -18,10 +18,12 @@ attention applies RoPE with 1e6 whatever its ModelConfig says.
 
 What is timed, per step (wall clock; the median over `--steps` steps after the first call and
 `--warmup` further untimed steps). Our modes make their first calls (the compiles) one after the
-other, then step round-robin, so that other jobs on the machine slow every mode alike; Tunix runs
-after them, in its own process. Beside each ratio of median step times, the same ratio of CPU
-seconds per step is printed (`ratios_cpu_s` in the JSON): wall time includes waiting for a core on
-a shared machine, CPU time does not.
+other, then Tunix makes its own (in its process, which waits while ours run), then every system
+steps round-robin: bf16, qat, trace, Tunix, bf16, ... Other jobs on the machine, and its slow and
+fast minutes, then slow every system alike (Tunix's process is paced over two pipes; its waits are
+not in its step times). Beside each ratio of median step times, the same ratio of CPU seconds per
+step is printed (`ratios_cpu_s` in the JSON): wall time includes waiting for a core on a shared
+machine, CPU time does not.
 
   ours (mode)   `train.RLStep.__call__(step, state, prompts)`, built as `train.train_and_evaluate`
                 builds it (RunConfig from configs/default.py with the overrides below,
@@ -342,17 +344,23 @@ class Ours:
     return row
 
 
-def bench_ours(modes: list[str], args, prompt_batches, counter: CompileCounter) -> dict:
-  """Every mode's first call (compiles), then the later steps round-robin over the modes, so that
-  other jobs on the machine slow every mode alike. Returns {mode: figures}."""
+def bench_ours(modes: list[str], args, prompt_batches, counter: CompileCounter, tunix=None) -> tuple[dict, dict | None]:
+  """Every mode's first call (compiles), then Tunix's (`tunix`: a started TunixWorker, or None),
+  then the later steps round-robin over the modes and Tunix, so that other jobs on the machine slow
+  every system alike. Returns ({mode: figures}, Tunix's figures or None)."""
   rows = {}
   for mode in modes:  # built and compiled one after the other
     ours = Ours(mode, args, counter)
     rows[mode] = (ours, [ours.step(0, prompt_batches[0])])
+  if tunix is not None:
+    tunix.step()  # its first call, while ours wait
   for step in range(1, len(prompt_batches)):
     for ours, mode_rows in rows.values():
       mode_rows.append(ours.step(step, prompt_batches[step]))
-  return {mode: _figures(mode_rows, args.warmup) for mode, (_, mode_rows) in rows.items()}
+    if tunix is not None:
+      tunix.step()
+  figures = {mode: _figures(mode_rows, args.warmup) for mode, (_, mode_rows) in rows.items()}
+  return figures, (tunix.finish() if tunix is not None else None)
 
 
 def _figures(rows: list[dict], warmup: int) -> dict:
@@ -428,18 +436,26 @@ def _tunix_python(args) -> tuple[str | None, str]:
   return python, f"google-tunix {version} in {python}"
 
 
-def bench_tunix(python: str, args, prompt_batches, config, params) -> dict:
-  """Run the Tunix half in `python` (a subprocess) from our `params`, and read its figures back.
+class TunixWorker:
+  """The Tunix half in `python` (a subprocess) from our `params`, driven one global step at a time.
 
   The parameters cross as a Hugging Face checkpoint; our fp32 logits of the first prompt batch go
   along, so that the worker can report how far its model's logits are from ours (the same policy).
+  Two pipes pace it: at the start of each global step (and at the end of the loop) the worker says
+  "ready" and waits for "go"; `step()` sends one "go" and waits for the next "ready". Its step
+  times run from "go" to the next "ready", so the waits between steps are not in them. `finish()`
+  waits for the worker to exit and returns its figures.
   """
-  import jax.numpy as jnp
-  import numpy as np
 
-  from trace_jax import hf, model, qat
+  def __init__(self, python: str, args, prompt_batches, config, params):
+    import jax.numpy as jnp
+    import numpy as np
 
-  with tempfile.TemporaryDirectory() as tmp:
+    from trace_jax import hf, model, qat
+
+    self.timeout, self.steps_left = args.tunix_timeout, len(prompt_batches)
+    self.tmp = tempfile.TemporaryDirectory()
+    tmp = self.tmp.name
     weights_dir = os.path.join(tmp, "weights")
     hf.save_pretrained(weights_dir, config, params)
     tokens = jnp.asarray(prompt_batches[0])
@@ -447,7 +463,9 @@ def bench_tunix(python: str, args, prompt_batches, config, params) -> dict:
       params, tokens, jnp.ones_like(tokens), config, ctx=qat.QatContext(compute_dtype=jnp.float32)
     )
     np.save(os.path.join(tmp, "ours_logits.npy"), np.asarray(logits, np.float32))
-    spec = {
+    go_read, self.go = os.pipe()
+    self.ready, ready_write = os.pipe()
+    self.spec = {
       "model": MODEL,
       "weights_dir": weights_dir,
       "ours_logits": os.path.join(tmp, "ours_logits.npy"),
@@ -460,18 +478,54 @@ def bench_tunix(python: str, args, prompt_batches, config, params) -> dict:
       "dtype": args.tunix_dtype,
       "optim": _optim_spec(args),
       "out": os.path.join(tmp, "tunix.json"),
+      "go_fd": go_read,
+      "ready_fd": ready_write,
     }
     spec_path = os.path.join(tmp, "spec.json")
     with open(spec_path, "w") as f:
-      json.dump(spec, f)
+      json.dump(self.spec, f)
     cmd = [python, os.path.abspath(__file__), "--_tunix_worker", spec_path, "--threads", str(args.threads)]
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the worker adds its thread flags to the caller's own
     if args.xla_flags_before is not None:
       env["XLA_FLAGS"] = args.xla_flags_before
-    subprocess.run(cmd, check=True, timeout=args.tunix_timeout, env=env)
-    with open(spec["out"]) as f:
-      return json.load(f)
+    self.start = time.monotonic()
+    self.proc = subprocess.Popen(cmd, env=env, pass_fds=(go_read, ready_write))
+    os.close(go_read)
+    os.close(ready_write)  # the worker holds the only write end: its exit reads as end of file
+    self._wait_ready()  # the model loaded and the learner built, at the start of its first step
+
+  def _wait_ready(self):
+    import select
+
+    left = self.timeout - (time.monotonic() - self.start)
+    readable, _, _ = select.select([self.ready], [], [], max(left, 0))
+    if not readable:
+      self.proc.kill()
+      raise RuntimeError(f"Tunix worker: no progress within --tunix_timeout={self.timeout} s; stopped it")
+    if os.read(self.ready, 1) != b"r":
+      code = self.proc.wait()
+      raise RuntimeError(f"Tunix worker exited (code {code}) before finishing its steps; its output is above")
+
+  def step(self):
+    """One Tunix global step; returns when it has finished."""
+    if self.steps_left <= 0:
+      raise RuntimeError("TunixWorker.step: every prompt batch has been run")
+    os.write(self.go, b"g")
+    self._wait_ready()
+    self.steps_left -= 1
+
+  def finish(self) -> dict:
+    try:
+      code = self.proc.wait(timeout=max(self.timeout - (time.monotonic() - self.start), 1))
+      if code:
+        raise RuntimeError(f"Tunix worker exited with code {code}; its output is above")
+      with open(self.spec["out"]) as f:
+        return json.load(f)
+    finally:
+      os.close(self.go)
+      os.close(self.ready)
+      self.tmp.cleanup()
 
 
 def _optim_spec(args) -> dict:
@@ -607,11 +661,21 @@ def tunix_worker(spec_path: str):
     reward_fns=reward,
   )
 
-  # Per-step timestamps: the start of each global step, and the end of the loop (close()).
-  starts, marks, rollout_s, cpu, lengths, end = [], [], [], [], [], {}
+  # Per-step timestamps: the start of each global step (after the parent's "go"), and when the next
+  # one is ready to start or the loop ends (close()).
+  starts, readies, marks, rollout_s, cpu, lengths, end = [], [], [], [], [], [], {}
   run_global_step, generate, close = learner._run_global_step, cluster.generate, cluster.close
 
+  def paced():
+    """Tell the parent this step may start, and wait for its go (no pipes: go at once)."""
+    readies.append(time.perf_counter())
+    if spec.get("ready_fd") is not None:
+      os.write(spec["ready_fd"], b"r")
+      if os.read(spec["go_fd"], 1) != b"g":
+        raise RuntimeError("Tunix worker: the benchmark process went away")
+
   def timed_global_step(*a, **k):
+    paced()
     starts.append(time.perf_counter())
     cpu.append(time.process_time())
     marks.append(counter.mark())
@@ -626,14 +690,16 @@ def tunix_worker(spec_path: str):
 
   def timed_close(*a, **k):
     end.update(t=time.perf_counter(), cpu=time.process_time(), mark=counter.mark())
+    if spec.get("ready_fd") is not None:
+      os.write(spec["ready_fd"], b"r")  # the last step is done
     return close(*a, **k)
 
   learner._run_global_step, cluster.generate, cluster.close = timed_global_step, timed_generate, timed_close
   dataset = [{"prompts": np.array([" ".join(map(str, row)) for row in b])} for b in batches]  # repeated G x
   with mesh:
     learner.train(dataset)
-  ends = [*starts[1:], end["t"]]
-  cpu_ends = [*cpu[1:], end["cpu"]]
+  ends = [*readies[1:], end["t"]]  # a step ends when the next is ready to start: the waits for "go" are left out
+  cpu_ends = [*cpu[1:], end["cpu"]]  # waiting in a read takes no CPU time
   mark_ends = [*marks[1:], end["mark"]]
   rows = [
     {
@@ -743,11 +809,8 @@ def main(argv=None) -> dict:
   calls = 1 + args.warmup + args.steps
   batches = _prompt_batches(args, calls)
 
-  results = {"ours": bench_ours(modes, args, batches, counter), "tunix": None}
-  if tunix_python:
-    results["tunix"] = bench_tunix(tunix_python, args, batches, *initial_params(args))
-
-  ours, tunix = results["ours"], results["tunix"]
+  tunix = TunixWorker(tunix_python, args, batches, *initial_params(args)) if tunix_python else None
+  ours, tunix = bench_ours(modes, args, batches, counter, tunix)
   ratios, ratios_cpu, goals = report(args, ours, tunix, tunix_status)
 
   out = {
