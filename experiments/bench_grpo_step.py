@@ -121,8 +121,8 @@ KL_COEF = 0.04
 def _args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--modes", default="bf16,qat,trace", help="comma-separated modes of ours")
-  p.add_argument("--steps", type=int, default=5, help="timed steps per system (the median is reported)")
-  p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first call")
+  p.add_argument("--steps", type=int, default=10, help="timed steps per system (the median is reported)")
+  p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first call (Tunix settles after 2-3)")
   p.add_argument("--prompts", type=int, default=8, help="prompts per step")
   p.add_argument("--generations", type=int, default=4, help="samples per prompt (G)")
   p.add_argument("--prompt_len", type=int, default=16)
