@@ -14,7 +14,9 @@ main loop's SASS instructions, its MMAs, and instructions per weight per thread 
 Shapes: dense K = N = 8192 at M in {1, 8, 16, 64}; grouped (E = 128 experts, top-8, the gate_up
 [E, 1536, 2048] and down [E, 2048, 768] projections of bench_fp4_matmul) at 64 and 256 tokens. For
 the grouped rows the routing is sampled (uniform, seed 0) to count the expert tiles the visit grid
-streams (a group of s rows: ceil(s / block_m) visits).
+streams (a group of s rows: ceil(s / block_m) visits). The mosaic_int8 rows (16 and 64 tokens,
+K = N = 8192) are a reference, not ours: jax's own Mosaic GPU int8 x bf16 matmul shaped for decode,
+whose weights are decoded in registers as an FP4 Mosaic kernel's would be (1 byte per weight).
 
 The roofline (an estimate, not a measurement; the GPU check measures):
   memory   bytes moved / 4.8 TB/s (weights streamed, scales, x, out, split-K partials)
@@ -63,6 +65,7 @@ BUDGET = 2.5  # the issue's goal, instructions per weight
 @dataclasses.dataclass(frozen=True)
 class Case:
   kind: str  # dense | grouped | grouped_bf16 (the benchmark's baseline: the same kernel on bf16 weights)
+  #            | mosaic_int8 (jax's own Mosaic GPU int8 x bf16 matmul, weights decoded in registers: a reference)
   m: int  # rows of x (grouped: tokens x top_k)
   n: int
   k: int
@@ -80,6 +83,7 @@ TEST_CASES = [
   Case("grouped", 64 * 8, 1536, 2048, experts=128, tokens=64, ptx_decode=True, label="grouped_ptx"),
   Case("grouped", 20, 64, 1024, experts=6, tokens=10, fmt="mxfp4", label="grouped_6_experts"),
   Case("grouped_bf16", 64 * 8, 1536, 2048, experts=128, tokens=64, label="grouped_bf16"),
+  Case("mosaic_int8", 16, 8192, 8192, fmt="int8", label="mosaic_int8"),
 ]
 
 
@@ -93,7 +97,8 @@ def cases(which: str) -> list[Case]:
     out += [Case("dense", m, 8192, 8192, ptx_decode=ptx) for m in (1, 8, 16, 64)]
     for tokens in (64, 256):
       out += [Case("grouped", tokens * 8, n, k, 128, tokens, ptx_decode=ptx) for n, k in ((1536, 2048), (2048, 768))]
-  return out + [Case("grouped_bf16", tokens * 8, 1536, 2048, 128, tokens) for tokens in (64, 256)]
+  out += [Case("grouped_bf16", tokens * 8, 1536, 2048, 128, tokens) for tokens in (64, 256)]
+  return out + [Case("mosaic_int8", m, 8192, 8192, fmt="int8") for m in (16, 64)]
 
 
 def _weight(case: Case):
@@ -121,7 +126,46 @@ def expert_streams(group_sizes: np.ndarray, block_m: int) -> tuple[int, int]:
   return int(real.sum()), int((sizes > 0).sum())
 
 
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+  """A Mosaic GPU matmul's tiles in the report's terms: block_n x block_k weights per warpgroup
+  (num_warps = 4) per trip of the K loop; block_m tokens."""
+
+  block_m: int
+  block_n: int
+  block_k: int
+  k_splits: int = 1
+  num_warps: int = 4
+
+
+def _mosaic_int8_matmul(case: Case):
+  """(fn(w [N, K] int8, x^T [K, M] bf16) -> [N, M], its tiles): jax's Mosaic GPU mixed-type matmul
+  (`hopper_mixed_type_matmul_mgpu`: int8 LHS loaded from shared memory into registers, converted
+  to bf16 there, wgmma with the bf16 RHS in shared memory) shaped for decode: weights on the MMA's
+  M side, tokens on N, the two compute warpgroups on different weight rows. The lightest decode
+  there is (a byte per weight, no scales): what register decoding costs in Mosaic GPU."""
+  import types
+
+  from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mixed
+
+  tiles = MosaicTiles(block_m=max(case.m, 16), block_n=64, block_k=128)  # wgmma N >= 16 here: B rows of 32+ bytes
+  config = mixed.TuningConfig(
+    tile_m=tiles.block_n,
+    tile_n=tiles.block_m,
+    tile_k=tiles.block_k,
+    max_concurrent_steps=4,
+    epi_tile_n=min(64, tiles.block_m),
+    epi_tile_m=64,
+    wg_dimension=mixed.MatmulDimension.M,
+  )
+  # It sizes its persistent grid by the default device's SMs; here that is the CPU: an H200 has 132.
+  mixed.backend = types.SimpleNamespace(get_default_device=lambda: types.SimpleNamespace(core_count=132))
+  return functools.partial(mixed.mixed_matmul_kernel, out_dtype=jnp.bfloat16, config=config), tiles
+
+
 def report_row(case: Case) -> dict:
+  if case.kind == "mosaic_int8":
+    return _mosaic_int8_row(case)
   w = _weight(case)
   fmt = fp4.get_format(case.fmt)
   x = jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16)
@@ -141,11 +185,30 @@ def report_row(case: Case) -> dict:
     program = gpu_compile.compile_for_h200(fn, x, sizes, w)
     streamed, distinct = expert_streams(sampled_group_sizes(case), tiles.block_m)
     partial_bytes = 0
+  return _row(
+    case,
+    program,
+    tiles,
+    streamed,
+    distinct,
+    partial_bytes,
+    2 if case.kind == "grouped_bf16" else 0.5 + 1 / fmt.block_size,
+  )
+
+
+def _mosaic_int8_row(case: Case) -> dict:
+  fn, tiles = _mosaic_int8_matmul(case)
+  w = jax.ShapeDtypeStruct((case.n, case.k), jnp.int8)
+  xt = jax.ShapeDtypeStruct((case.k, tiles.block_m), jnp.bfloat16)
+  return _row(case, gpu_compile.compile_for_h200(fn, w, xt), tiles, 1, 1, 0, 1)
+
+
+def _row(case: Case, program, tiles, streamed: int, distinct: int, partial_bytes: int, bytes_per_weight: float) -> dict:
+  """The report's figures of one compiled call (see the module docstring for the roofline)."""
   [kernel] = program.kernels.values()
   threads = 32 * tiles.num_warps
   ipw = gpu_compile.instructions_per_weight(kernel, tiles.block_n * tiles.block_k, threads)
   matrix = case.n * case.k
-  bytes_per_weight = 2 if case.kind == "grouped_bf16" else 0.5 + 1 / fmt.block_size
   weights_streamed = streamed * matrix
   kernel_bytes = weights_streamed * bytes_per_weight + case.m * case.k * 2 + case.m * case.n * 2 + partial_bytes
   t_memory, t_issue = kernel_bytes / HBM, weights_streamed * ipw / 32 / ISSUE

@@ -13,6 +13,14 @@ is the one a GPU would run, so its static figures can be measured and held to a 
     that holds the MMAs, and so the SASS instructions each thread issues per weight it decodes
     (loop instructions / (weights per iteration / threads per program)).
 
+Pallas' Mosaic GPU kernels (`plgpu`, wgmma / TMA) compile the same way: Mosaic GPU turns its MLIR
+module into PTX and a cubin in the `mosaic_gpu_v2` custom call's *instantiate* handler, which XLA
+runs while it builds the thunks (inside `.compile()`), for the target's compute capability, with
+no driver. Its PTX is not in XLA's dump but in Mosaic's own (`MOSAIC_GPU_DUMP_TO`, set here for the
+compile); ptxas / nvdisasm then read it as they read Triton's. Mosaic finds ptxas on PATH, so the
+wheel's comes first (its PTX ISA must be one that ptxas accepts); Mosaic compiles each distinct
+kernel once per process (later compiles of it dump nothing): use a fresh process per report.
+
 Needs (test-only, `requirements-gpu-compile.txt`): jax-cuda12-plugin and jax-cuda12-pjrt at the
 installed jax version, nvidia-cuda-nvcc-cu12 (ptxas) and nvidia-cuda-nvdisasm, and
 JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 in the environment before jax initializes its backends (the
@@ -25,6 +33,7 @@ plugin installed and no GPU, jax still runs everything else on the CPU.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import glob
 import importlib.util
@@ -101,12 +110,14 @@ _THUNK = re.compile(r"^\d+:\s+(k\w+)\s+\[[^\]]*\]\s+(\S+)(.*)$")
 
 
 def parse_launches(thunk_sequence: str) -> list[Launch]:
-  """Launches from a `*.thunk_sequence.txt` dump (kernels and memsets; copies of zero bytes and
-  control thunks are not work on the device)."""
+  """Launches from a `*.thunk_sequence.txt` dump (kernels, memsets, and custom calls such as Mosaic
+  GPU's kernels, which the dump lists without a grid; copies of zero bytes and control thunks are
+  not work on the device)."""
   out = []
   for line in thunk_sequence.splitlines():
     match = _THUNK.match(line.strip())
-    if not match or not any(word in match.group(1) for word in ("Kernel", "Memset", "Memzero", "Copy")):
+    kinds = ("Kernel", "Memset", "Memzero", "Copy", "CustomCall")
+    if not match or not any(word in match.group(1) for word in kinds):
       continue
     kind, name, rest = match.groups()
     shared = re.search(r"shared_memory: (\d+)", rest)
@@ -151,22 +162,25 @@ def sass_instructions(sass: str) -> list[tuple[str, str, str]]:
 
 
 def main_loop(sass: str) -> list[str]:
-  """Opcodes of the loop that issues the most MMAs: from a label to the last backward branch to it
-  (Triton's software-pipelined K loop is one such block). Raises if no loop holds an MMA."""
+  """Opcodes of the main loop: of the loops (a label to a backward branch to it) that issue the
+  most MMAs, the shortest. Triton's software-pipelined K loop is one such block; in a Mosaic GPU
+  kernel the K loop sits inside the persistent tile loop, and the barrier waits' retry paths, placed
+  after the function's end, branch back into its middle: both span the K loop's MMAs and more.
+  Raises if no loop holds an MMA."""
   instructions = sass_instructions(sass)
   starts = {label: i for i, (label, _, _) in enumerate(instructions) if label}
-  best = None
+  best = None  # (-mmas, length, start, end)
   for end, (_, opcode, operands) in enumerate(instructions):
     target = re.search(r"`\((\.L\w+)\)", operands) if opcode == "BRA" else None
     if not target or starts.get(target.group(1), end + 1) > end:
       continue
-    body = [op for _, op, _ in instructions[starts[target.group(1)] : end + 1]]
-    mmas = sum(op in MMA_OPCODES for op in body)
-    if mmas and (best is None or mmas > best[0] or (mmas == best[0] and len(body) > len(best[1]))):
-      best = (mmas, body)
+    start = starts[target.group(1)]
+    mmas = sum(op in MMA_OPCODES for _, op, _ in instructions[start : end + 1])
+    if mmas and (best is None or (-mmas, end - start) < best[:2]):
+      best = (-mmas, end - start, start, end)
   if best is None:
     raise ValueError("no loop with an MMA instruction in this SASS (one K tile: the K loop is unrolled away)")
-  return best[1]
+  return [op for _, op, _ in instructions[best[2] : best[3] + 1]]
 
 
 # --- compiling ----------------------------------------------------------------------------------
@@ -212,13 +226,14 @@ def compile_for_h200(
   args = _with_device(jax.eval_shape(lambda *a: a, *args), device)
   work = keep_dir or tempfile.mkdtemp(prefix="gpu_compile_")
   os.makedirs(work, exist_ok=True)
-  dump = os.path.join(work, "xla_dump")
+  dump, mosaic_dump = os.path.join(work, "xla_dump"), os.path.join(work, "mosaic_dump")
   try:
-    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compile(compiler_options={"xla_dump_to": dump})
+    with _mosaic_gpu_dump(mosaic_dump, work):
+      jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compile(compiler_options={"xla_dump_to": dump})
     [sequence] = glob.glob(os.path.join(dump, "*.thunk_sequence.txt"))
     launches = parse_launches(pathlib.Path(sequence).read_text())
     kernels = {}
-    for ptx in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
+    for ptx in sorted(glob.glob(os.path.join(dump, "*.ptx")) + glob.glob(os.path.join(mosaic_dump, "*.ptx"))):
       text = pathlib.Path(ptx).read_text()
       for name in re.findall(r"\.visible \.entry (\w+)\(", text):
         has_mma = re.search(r"\b(mma|wgmma)\.", text) is not None  # XLA's fusions have none
@@ -228,6 +243,38 @@ def compile_for_h200(
   finally:
     if keep_dir is None:
       shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _mosaic_gpu_dump(dump: str, work: str):
+  """Mosaic GPU's dump (PTX, ptxas log, SASS) into `dump` for the compiles inside, with the wheels'
+  ptxas first on PATH and `MOSAIC_GPU_CUDA_ROOT` a folder whose bin/ holds ptxas and nvdisasm."""
+  try:  # its import points MOSAIC_GPU_CUDA_ROOT at the CUDA install it knows: let that happen first
+    import jax.experimental.mosaic.gpu  # noqa: F401
+  except ImportError:  # no Mosaic GPU in this jaxlib: Triton kernels only
+    pass
+  root = pathlib.Path(work, "cuda_root")
+  (root / "bin").mkdir(parents=True, exist_ok=True)
+  for tool in ("ptxas", "nvdisasm"):
+    if not (root / "bin" / tool).exists():
+      os.symlink(_nvidia_bin(tool), root / "bin" / tool)
+  os.makedirs(dump, exist_ok=True)
+  saved = {k: os.environ.get(k) for k in ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_CUDA_ROOT", "PATH")}
+  os.environ.update(
+    MOSAIC_GPU_DUMP_TO=dump,
+    MOSAIC_GPU_CUDA_ROOT=str(root),
+    PATH=os.path.dirname(_nvidia_bin("ptxas")) + os.pathsep + (saved["PATH"] or ""),
+  )
+  try:
+    yield
+  finally:
+    for key, value in saved.items():
+      if value is None:
+        os.environ.pop(key, None)
+      else:
+        os.environ[key] = value
+    for log in glob.glob(os.path.join(dump, "*.mlir-passes.log")):  # tens of MB per kernel
+      os.remove(log)
 
 
 def _sass_of(ptx: str, name: str, work: str) -> KernelSass:
