@@ -1,0 +1,517 @@
+"""NVFP4 weight matmul for Hopper in Mosaic GPU, with the weights packed as wgmma register fragments.
+
+`fp4_matmul_mosaic(x, w)` computes what `fp4_matmul.fp4_matmul` does, x[M, K] (bf16) @
+dequantize(w)^T for M <= 64 (decode), on an sm_90 GPU, from a `FragmentWeight`: the weight's codes
+and scales permuted once, at weight sync (`pack_fragments`), into the order the kernel's registers
+want them (Marlin's idea, for the wgmma A operand). The layout:
+
+  * Weights sit on the MMA's M side and tokens on its N side (out^T = W x^T): a warpgroup owns 64
+    weight rows; x is read as a [16..64, K] tile whose rows past M the copy engine fills with
+    zeros, so nothing pads it first.
+  * For every 16-wide K chunk, a thread's share of the m64 x k16 A fragment is 8 weights (rows r
+    and r + 8, columns 2c, 2c + 1, 2c + 8, 2c + 9): exactly one 32-bit word of codes. A thread's
+    words for 4 consecutive chunks are contiguous (one 16-byte shared-memory load), and the 128
+    threads' words follow one another (conflict-free).
+  * Inside a word the 32 code bits are spread so that four masks, three shifts and four byte
+    permutes give the fragment's four bf16x2 registers (`decode_word`): E2M1's exponent and
+    mantissa bits land on bf16 bits 8-6 (the value times 2^-126, E2M1's subnormal 0.5 included)
+    and the sign on bit 15. (11 instructions per 8 weights; a search over all such layouts finds
+    none cheaper: every cleaned byte needs its own bit alignment.)
+  * Scales: NVFP4 blocks (16) are the K chunks, so a thread needs two scales per chunk (rows r and
+    r + 8), shared by the 4 threads of a quad, stored once per quad. They are re-encoded at
+    packing time from E4M3 to an 8-bit "UE5M3" byte u whose bfloat16 value is 0x7000 | u << 4
+    (the scale times 2^119: normal for every E4M3 value, E4M3 subnormals included; NaN stays
+    NaN), laid out so that 3 instructions give 4 scales (`decode_scales`). One bf16x2 multiply per
+    register applies them, the scale broadcast by the multiply's operand selector (exact: the
+    product has at most 6 significant bits); the f32 result times 2^7 and the NVFP4 tensor scale
+    is the matmul, written by the kernel itself (one launch per call).
+  * A zero scale (a block of zeros) has no UE5M3 byte: its codes are zeroed instead (same values).
+    A negative scale flips its block's code signs (same values).
+  * Codes and scales travel as one int32 stream (`FragmentWeight.words`): one copy per pipeline
+    step, issued by a producer warpgroup, so that the consumer's loop only decodes and multiplies.
+
+experiments/kernel_report.py counts the compiled loop (pallas_kernels/gpu_compile.py compiles it
+for sm_90a without a GPU): about 2.5 SASS instructions per weight, against 6.6 for the
+Pallas-Triton kernel.
+
+CPU: the kernel needs an sm_90 GPU (Mosaic GPU has no interpret mode for inline Mosaic code); the
+packing and a numpy emulation of the register decode (`decode_fragments_numpy`, instruction by
+instruction) run anywhere, and tests/test_fp4_mosaic.py checks the emulation bit for bit against
+`fp4.dequantize`, and on a GPU the kernel against `fp4_matmul_mosaic_reference`
+(experiments/gpu_check.py runs those tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax import fp4
+
+ROWS = 64  # weight rows per warpgroup (the wgmma M)
+CHUNK = 16  # K per wgmma instruction, = the NVFP4 block
+GROUP_K = 4 * CHUNK  # K per 16-byte load of a thread's codes
+SCALE_GROUP_K = 2 * GROUP_K  # K per 16-byte load of a quad's scales
+THREADS = 128
+QUADS = THREADS // 4
+SCALE_EXPONENT = 119  # the UE5M3 byte's bf16 value is the E4M3 scale times 2^119
+CODE_EXPONENT = -126  # decode_word gives E2M1 values times 2^-126
+RESULT_EXPONENT = -(SCALE_EXPONENT + CODE_EXPONENT)  # f32 result * 2^7 = x @ W^T
+SCALE_BIAS_BITS = 0x7000  # bf16 exponent bits 14-12, or-ed onto u << 4
+
+# Byte-permute selectors: register o of a fragment takes bytes (2*(o%2), 2*(o%2)+1) of L and H.
+_PRMT = (0x5140, 0x7362)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FragmentWeight:
+  """An NVFP4 weight [N, K] packed for `fp4_matmul_mosaic` (see the module docstring)."""
+
+  # int32 [N/64, K/128, 9, 128]: per 64 rows and 128 K, 1024 code words (2 K/64 groups x 128
+  # threads x 4 chunks) then 128 scale words (32 quads x 4): one stream, one copy per step.
+  words: jax.Array
+  tensor_scale: jax.Array | None  # float32 scalar, or None
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return self.words.shape[0] * ROWS, self.words.shape[1] * SCALE_GROUP_K
+
+  @property
+  def nbytes(self) -> int:
+    return self.words.size * 4
+
+  @property
+  def codes(self) -> jax.Array:
+    """int32 [N/64, K/64, 128 threads, 4 chunks]."""
+    n, k = self.shape
+    return self.words[:, :, :8].reshape(n // ROWS, k // GROUP_K, THREADS, 4)
+
+  @property
+  def scales(self) -> jax.Array:
+    """int32 [N/64, K/128, 128]: per quad 4 words of UE5M3 bytes (rows r, r + 8) x 2 chunks."""
+    return self.words[:, :, 8]
+
+
+def check_shape(n: int, k: int, what: str = "weight"):
+  if n % ROWS or k % SCALE_GROUP_K:
+    raise ValueError(
+      f"{what}: shape [{n}, {k}] is not supported by the Mosaic FP4 kernel: N must be a multiple of "
+      f"{ROWS} and K of {SCALE_GROUP_K}; use pallas_kernels.fp4_matmul for other shapes."
+    )
+
+
+# --- where each code bit goes -----------------------------------------------------------------
+#
+# Register o (0..3) of a chunk's fragment holds two weights e = 0 (low half) and 1 (high half). It
+# is prmt(L, H) of two cleaned copies of the word: L = L0 (o < 2) or L1, H = H0 or H1, bytes
+# b = 2 * (o % 2) + e:
+#   L0 = q & 0xC0C0C0C0         byte b bits 7, 6 = q bits 8b+7, 8b+6    (exponent bit 0, mantissa)
+#   L1 = (q << 2) & 0xC0C0C0C0  byte b bits 7, 6 = q bits 8b+5, 8b+4
+#   H0 = rotr(q, 1) & 0x81818181  byte b bit 7 = q bit 8b+8 (mod 32), bit 0 = q bit 8b+1  (sign, exponent bit 1)
+#   H1 = rotr(q, 3) & 0x81818181  byte b bit 7 = q bit 8b+10 (mod 32), bit 0 = q bit 8b+3
+# so the bf16 half gets the sign on bit 15, exponent bits on 8 and 7 and the mantissa on 6.
+
+
+def _bit_positions(o: int, e: int) -> dict[str, int]:
+  b, pair = 2 * (o % 2) + e, o // 2
+  mantissa = 8 * b + 6 - 2 * pair
+  return dict(m=mantissa, e0=mantissa + 1, e1=8 * b + 1 + 2 * pair, s=(8 * b + 8 + 2 * pair) % 32)
+
+
+def _check_bit_layout():
+  used = sorted(p for o in range(4) for e in range(2) for p in _bit_positions(o, e).values())
+  assert used == list(range(32)), used
+
+
+_check_bit_layout()
+
+
+# --- packing (weight sync; jnp, runs under jit on any backend) ----------------------------------
+
+
+def _fragment_order(a: jax.Array, n: int, k: int) -> jax.Array:
+  """[N, K] -> [N/64, K/64, 128 threads, 4 chunks, 4 registers o, 2 halves e]."""
+  # row = 64 i + 16 w + 8 (o % 2) + lane // 4 ; col = 64 kg + 16 j + 8 (o // 2) + 2 (lane % 4) + e
+  a = a.reshape(n // ROWS, 4, 2, 8, k // GROUP_K, 4, 2, 4, 2)  # i, w, oh, rl, kg, j, ol, c, e
+  a = a.transpose(0, 4, 1, 3, 7, 5, 6, 2, 8)  # i, kg, w, rl, c, j, ol, oh, e
+  return a.reshape(n // ROWS, k // GROUP_K, THREADS, 4, 4, 2)  # (ol, oh) -> o = 2 ol + oh
+
+
+def _scale_order(s: jax.Array, n: int, k: int) -> jax.Array:
+  """UE5M3 bytes [N, K/16] -> words [N/64, K/128, 32 quads x 4] (flat: TMA wants 16-byte strides).
+  Word 2g + h of a quad holds the K/64 group g's chunks 2h and 2h + 1: rows r at bits 11-4 and 27-20 (their bf16
+  places, or-ed with the bias), rows r + 8 split into nibbles so that a rotation by 8 moves them
+  there: chunk 2h's high nibble at bits 3-0 and low nibble at 31-28, chunk 2h + 1's at 19-16 and
+  15-12. Two scale registers cost three ops (`decode_scales`)."""
+  s = s.reshape(n // ROWS, 4, 2, 8, k // GROUP_K, 2, 2)  # i, w, oh, rl, kg, h, jj
+  s = s.transpose(0, 4, 1, 3, 5, 2, 6).reshape(n // ROWS, k // GROUP_K, QUADS, 2, 2, 2).astype(jnp.uint32)
+  r_even, r_odd, r8_even, r8_odd = s[..., 0, 0], s[..., 0, 1], s[..., 1, 0], s[..., 1, 1]
+  word = r_even << 4 | r_odd << 20
+  word |= (r8_even >> 4) | (r8_even & 0xF) << 28 | (r8_odd >> 4) << 16 | (r8_odd & 0xF) << 12
+  word = word.reshape(n // ROWS, k // SCALE_GROUP_K, 2, QUADS, 2).transpose(0, 1, 3, 2, 4)
+  return jax.lax.bitcast_convert_type(word, jnp.int32).reshape(n // ROWS, k // SCALE_GROUP_K, 4 * QUADS)
+
+
+def ue5m3_from_e4m3(scales: jax.Array) -> jax.Array:
+  """E4M3 scales -> (UE5M3 bytes as uint32, negative?, zero?) with bf16(0x7000 | u << 4) = |scale| * 2^119."""
+  s = scales.astype(jnp.float32)
+  bits = jax.lax.bitcast_convert_type(jnp.abs(s) * 2.0**SCALE_EXPONENT, jnp.uint32)
+  return (bits >> 20) & 0xFF, s < 0, s == 0
+
+
+@jax.jit
+def pack_fragments(w: fp4.QuantizedArray) -> FragmentWeight:
+  """Permute an NVFP4 `QuantizedArray` [N, K] into the kernel's fragment layout (exact: see the
+  module docstring for zero and negative scales)."""
+  if w.fmt.name != "nvfp4":
+    raise ValueError(f"pack_fragments: the Mosaic FP4 kernel takes NVFP4 weights, got {w.fmt.name}.")
+  if w.codes.ndim != 2:
+    raise ValueError(f"pack_fragments: expected one weight [N, K/2], got codes of shape {w.codes.shape}.")
+  n, k = w.shape
+  check_shape(n, k)
+  if w.tensor_scale is not None and w.tensor_scale.size != 1:
+    raise ValueError("pack_fragments: a per-row tensor scale is not supported; give one scale per tensor.")
+  u, negative, zero = ue5m3_from_e4m3(w.scales)
+  codes = fp4.to_blocks(fp4.unpack_nibbles(w.codes).astype(jnp.uint32), w.fmt)  # [N, K/16, 16]
+  flip = jnp.where(negative, jnp.uint32(8), jnp.uint32(0))[..., None]
+  codes = jnp.where(zero[..., None], jnp.uint32(0), codes ^ flip).reshape(n, k)
+  frag = _fragment_order(codes, n, k)
+  word = jnp.zeros(frag.shape[:4], jnp.uint32)
+  for o in range(4):
+    for e in range(2):
+      code = frag[..., o, e]
+      for name, bit in (("m", 0), ("e0", 1), ("e1", 2), ("s", 3)):
+        word = word | (((code >> bit) & 1) << _bit_positions(o, e)[name])
+  tensor_scale = None if w.tensor_scale is None else w.tensor_scale.reshape(()).astype(jnp.float32)
+  codes = jax.lax.bitcast_convert_type(word, jnp.int32).reshape(n // ROWS, k // SCALE_GROUP_K, 8, THREADS)
+  words = jnp.concatenate([codes, _scale_order(u, n, k)[:, :, None]], axis=2)
+  return FragmentWeight(words, tensor_scale)
+
+
+# --- the register decode, instruction by instruction (numpy, for tests; the kernel's PTX below) --
+
+
+def _u32(x) -> np.ndarray:
+  return np.asarray(x).astype(np.uint32)
+
+
+def _prmt(a: np.ndarray, b: np.ndarray, selector: int) -> np.ndarray:
+  pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+  out = np.zeros_like(a)
+  for byte in range(4):
+    out |= pool[(selector >> (4 * byte)) & 0x7] << (8 * byte)
+  return out
+
+
+def _rotr(q: np.ndarray, n: int) -> np.ndarray:
+  return (q >> n) | (q << (32 - n))
+
+
+def decode_word(q: np.ndarray) -> list[np.ndarray]:
+  """The four bf16x2 registers (as uint32) of one code word, as `_DECODE_PTX` computes them."""
+  q = _u32(q)
+  l0, l1 = q & 0xC0C0C0C0, (q << 2) & 0xC0C0C0C0
+  h0, h1 = _rotr(q, 1) & 0x81818181, _rotr(q, 3) & 0x81818181
+  return [_prmt(l0, h0, _PRMT[0]), _prmt(l0, h0, _PRMT[1]), _prmt(l1, h1, _PRMT[0]), _prmt(l1, h1, _PRMT[1])]
+
+
+def decode_scales(word: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(rows r, rows r + 8) bf16x2 scale registers of one scale word: chunk 2h in the low half,
+  chunk 2h + 1 in the high half, as `_SCALE_PTX` computes them."""
+  w = _u32(word)
+  bias = SCALE_BIAS_BITS | SCALE_BIAS_BITS << 16
+  return (w & 0x0FF00FF0) | bias, (_rotr(w, 24) & 0x0FF00FF0) | bias
+
+
+def _bf16_values(bits16: np.ndarray) -> np.ndarray:
+  return (_u32(bits16) << 16).view(np.float32).astype(np.float64)  # numpy keeps subnormals
+
+
+def _half(reg: np.ndarray, h: int) -> np.ndarray:
+  return (reg >> (16 * h)) & 0xFFFF
+
+
+def decode_fragments_numpy(w: FragmentWeight) -> np.ndarray:
+  """float64 [N, K]: what the kernel's registers hold (weights times 2^-7, no tensor scale),
+  emulating its integer ops bit for bit and its bf16 multiply exactly (products are exact; an
+  AssertionError says otherwise)."""
+  codes, scales = _u32(np.asarray(w.codes).view(np.uint32)), _u32(np.asarray(w.scales).view(np.uint32))
+  n, k = w.shape
+  regs = np.stack(decode_word(codes), -1)  # [i, kg, t, j, o]
+  out = np.zeros(regs.shape + (2,))
+  scales = scales.reshape(n // ROWS, k // SCALE_GROUP_K, QUADS, 2, 2).transpose(0, 1, 3, 2, 4)
+  scales = scales.reshape(n // ROWS, k // GROUP_K, QUADS, 2)
+  quad_scales = [decode_scales(scales[..., h]) for h in range(2)]  # [i, kg, quad] each
+  for j in range(4):
+    rows_r, rows_r8 = quad_scales[j // 2]
+    for o in range(4):
+      scale_reg = rows_r if o % 2 == 0 else rows_r8
+      scale = np.repeat(_bf16_values(_half(scale_reg, j % 2)), 4, axis=-1)  # quad -> its 4 threads
+      for e in range(2):
+        out[..., j, o, e] = _bf16_values(_half(regs[..., j, o], e)) * scale
+  finite = np.isfinite(out)
+  rounded = out[finite].astype(np.float32).astype(jnp.bfloat16).astype(np.float64)
+  assert np.array_equal(rounded, out[finite]), "a product is not exact in bf16"
+  # [i, kg, (w, rl, c), j, (ol, oh), e] -> [N, K]
+  out = out.reshape(n // ROWS, k // GROUP_K, 4, 8, 4, 4, 2, 2, 2)  # i, kg, w, rl, c, j, ol, oh, e
+  return out.transpose(0, 2, 7, 3, 1, 5, 6, 4, 8).reshape(n, k)
+
+
+# --- the kernel ----------------------------------------------------------------------------------
+
+
+def _decode_ptx() -> str:
+  """PTX: code word $4, scale registers $5 (rows r) and $6 (rows r + 8) already broadcast ->
+  the fragment's four bf16x2 registers $0..$3."""
+  return f"""{{
+.reg .b32 l0, l1, h0, h1, t;
+and.b32 l0, $4, 0xC0C0C0C0;
+shl.b32 l1, $4, 2;
+and.b32 l1, l1, 0xC0C0C0C0;
+shf.r.wrap.b32 h0, $4, $4, 1;
+and.b32 h0, h0, 0x81818181;
+shf.r.wrap.b32 h1, $4, $4, 3;
+and.b32 h1, h1, 0x81818181;
+prmt.b32 t, l0, h0, {_PRMT[0]:#06x};
+mul.rn.bf16x2 $0, t, $5;
+prmt.b32 t, l0, h0, {_PRMT[1]:#06x};
+mul.rn.bf16x2 $1, t, $6;
+prmt.b32 t, l1, h1, {_PRMT[0]:#06x};
+mul.rn.bf16x2 $2, t, $5;
+prmt.b32 t, l1, h1, {_PRMT[1]:#06x};
+mul.rn.bf16x2 $3, t, $6;
+}}"""
+
+
+def _scale_ptx() -> str:
+  """PTX: scale word $4, bias word $5 -> broadcast bf16x2 scales: $0 rows r chunk 2h, $1 rows r
+  chunk 2h+1, $2 rows r+8 chunk 2h, $3 rows r+8 chunk 2h+1. (The bias is an operand so that each
+  and-or is one lop3 with the mask as its immediate; the broadcasts become operand selectors
+  (.H0_H0 / .H1_H1) of the multiplies.)"""
+  return """{
+.reg .b32 e, o;
+.reg .b16 e0, e1, o0, o1;
+lop3.b32 e, $4, 0x0FF00FF0, $5, 0xEA;
+shf.l.wrap.b32 o, $4, $4, 8;
+lop3.b32 o, o, 0x0FF00FF0, $5, 0xEA;
+mov.b32 {e0, e1}, e;
+mov.b32 {o0, o1}, o;
+mov.b32 $0, {e0, e0};
+mov.b32 $1, {e1, e1};
+mov.b32 $2, {o0, o0};
+mov.b32 $3, {o1, o1};
+}"""
+
+
+def _decode_tile(block_k: int, k_offset: int = 0):
+  """inline_mgpu function for K [k_offset, k_offset + block_k) of a step: (the words' smem block [1, block_k/128, 9, 128])
+  -> the bf16 [64, block_k] weight tile (times 2^-7) in registers, wgmma layout."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, vector
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  def decode(_, words_ref):
+    i32 = ir.IntegerType.get_signless(32)
+    index = ir.IndexType.get()
+    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+    tid = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(THREADS, i32))
+    row_of_thread = arith.index_cast(index, arith.shrui(tid, mgpu_utils.c(5, i32)))
+    col_of_thread = arith.index_cast(index, arith.shli(arith.andi(tid, mgpu_utils.c(31, i32)), mgpu_utils.c(2, i32)))
+    quad_words = arith.index_cast(index, arith.shli(arith.shrui(tid, mgpu_utils.c(2, i32)), mgpu_utils.c(2, i32)))
+    zero = mgpu_utils.c(0, index)
+    layout = fa.WGMMA_LAYOUT
+    registers = np.empty(layout.registers_shape((ROWS, block_k)), dtype=object)
+    four = llvm.StructType.get_literal([i32] * 4)
+    bias = mgpu_utils.c(SCALE_BIAS_BITS | SCALE_BIAS_BITS << 16, i32)
+
+    def asm(text, args):
+      out = llvm.inline_asm(four, args, text, "=r,=r,=r,=r," + ",".join("r" * len(args)))
+      return [llvm.extractvalue(i32, out, [i]) for i in range(4)]
+
+    for kg in range(k_offset // GROUP_K, (k_offset + block_k) // GROUP_K):
+      group = mgpu_utils.c(kg // 2, index)
+      row = arith.addi(row_of_thread, mgpu_utils.c(4 * (kg % 2), index))
+      words = vector.load(ir.VectorType.get((4,), i32), words_ref, [zero, group, row, col_of_thread])
+      if kg % 2 == 0:
+        scale_words = vector.load(
+          ir.VectorType.get((4,), i32), words_ref, [zero, group, mgpu_utils.c(8, index), quad_words]
+        )
+      for h in range(2):
+        scale_word = vector.extract(scale_words, [], [2 * (kg % 2) + h])
+        r_even, r_odd, r8_even, r8_odd = asm(_scale_ptx(), [scale_word, bias])
+        for jj, (s_r, s_r8) in enumerate(((r_even, r8_even), (r_odd, r8_odd))):
+          j = 2 * h + jj
+          chunk = 4 * kg + j
+          regs = asm(_decode_ptx(), [vector.extract(words, [], [j]), s_r, s_r8])
+          for o, reg in enumerate(regs):
+            registers[0, 2 * (chunk - 4 * (k_offset // GROUP_K)) + o // 2, 0, 0, o % 2, 0, 0, 0, 0] = (
+              mgpu_utils.bitcast(reg, bf16x2)
+            )
+    return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=None)
+
+  return plgpu.inline_mgpu(
+    arg_types=(plgpu.RefType(),),
+    return_type=plgpu.ShapeDtypeStruct((ROWS, block_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+  )(decode)
+
+
+def _store_transposed(block_m: int, out_dtype):
+  """inline_mgpu function: (acc [64, block_m] f32 in the wgmma layout, scale gmem [1] f32, out smem
+  [block_m, 64]) -> out[t, r] = acc[r, t] * scale, as out_dtype: each thread stores its 8 values per
+  8 tokens where they belong (the epilogue's transpose; Mosaic's layout inference refuses a
+  transposed smem store of a wgmma-layout array)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, memref, vector
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  def store(_, acc, scale_ref, out_ref):
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+    out_type = mgpu_utils.dtype_to_ir_type(out_dtype)
+    tid = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(THREADS, i32))
+    lane = arith.andi(tid, mgpu_utils.c(31, i32))
+    row = arith.addi(
+      arith.shli(arith.shrui(tid, mgpu_utils.c(5, i32)), mgpu_utils.c(4, i32)), arith.shrui(lane, mgpu_utils.c(2, i32))
+    )
+    col = arith.shli(arith.andi(lane, mgpu_utils.c(3, i32)), mgpu_utils.c(1, i32))
+    scale = memref.load(scale_ref, [mgpu_utils.c(0, index)])
+    for idx, reg in np.ndenumerate(acc.registers):
+      j, h = idx[1], idx[4]
+      r = arith.index_cast(index, arith.addi(row, mgpu_utils.c(8 * h, i32)))
+      for e in range(2):
+        value = arith.mulf(vector.extract(reg, [], [e]), scale)
+        if out_type != value.type:
+          value = arith.truncf(out_type, value)
+        t = arith.index_cast(index, arith.addi(col, mgpu_utils.c(8 * j + e, i32)))
+        memref.store(value, out_ref, [t, r])
+
+  return plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()))(store)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+  block_m: int  # tokens per wgmma (its N): 16..64
+  block_k: int  # K per pipeline step
+  sub_k: int = 256  # K per decode + wgmma batch (two batches in flight: decode overlaps the MMA)
+  max_concurrent_steps: int = 4
+  warp_specialized: bool = True
+
+
+def default_tiles(m: int, k: int) -> MosaicTiles:
+  block_m = max(16, min(pl_next_power_of_2(m), 64))
+  block_k = 512 if k % 512 == 0 else 256 if k % 256 == 0 else SCALE_GROUP_K
+  return MosaicTiles(block_m, block_k)
+
+
+def pl_next_power_of_2(n: int) -> int:
+  return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "out_dtype"))
+def fp4_matmul_mosaic(
+  x: jax.Array, w: FragmentWeight, *, tiles: MosaicTiles | None = None, out_dtype=jnp.bfloat16
+) -> jax.Array:
+  """x[M, K] (bf16) @ dequantize(w)^T -> [M, N] on an sm_90 GPU (see the module docstring)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  m, k = x.shape
+  n, k_w = w.shape
+  if k != k_w:
+    raise ValueError(f"fp4_matmul_mosaic: x has K = {k}, the weight K = {k_w}.")
+  tiles = tiles or default_tiles(m, k)
+  if m > tiles.block_m:
+    raise NotImplementedError(f"fp4_matmul_mosaic: M = {m} above block_m = {tiles.block_m} (decode shapes only).")
+  block_m, block_k = tiles.block_m, tiles.block_k
+  x = x.astype(jnp.bfloat16)  # rows m..block_m of its tiles: the copy engine's zero fill
+  x_swizzle = plgpu.find_swizzle(block_k * 16, "rhs")
+  x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
+  sub_k = min(tiles.sub_k, block_k)
+  if block_k % sub_k or sub_k % SCALE_GROUP_K:
+    raise ValueError(
+      f"fp4_matmul_mosaic: sub_k = {sub_k} must divide block_k = {block_k} and be a multiple of {SCALE_GROUP_K}."
+    )
+  decoders = [_decode_tile(sub_k, j * sub_k) for j in range(block_k // sub_k)]
+  store_transposed = _store_transposed(block_m, out_dtype)
+
+  in_specs = [
+    plgpu.BlockSpec((block_m, block_k), lambda kk: (0, kk), transforms=x_transforms),
+    plgpu.BlockSpec((1, block_k // SCALE_GROUP_K, 9, THREADS), lambda kk: (jax.lax.axis_index("n"), kk, 0, 0)),
+  ]
+
+  def mma(x_smem, words_smem, acc_ref):
+    for j, decode in enumerate(decoders):
+      weights = decode(words_smem)
+      plgpu.wgmma(acc_ref, weights, plgpu.transpose_ref(x_smem.at[:, pl.ds(j * sub_k, sub_k)], (1, 0)))
+      if j + 1 < len(decoders):
+        plgpu.wgmma_wait(1)  # the batch before this one is done: its registers can be reused
+    plgpu.wgmma_wait(0)  # the step's shared memory is released when this returns
+
+  def store(acc, scale_gmem, out_gmem, out_smem):
+    # acc is out^T [64 rows, block_m tokens]: written transposed into [block_m, 64], the first m rows copied out.
+    store_transposed(acc, scale_gmem, out_smem)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, m)], out_gmem.at[:, pl.ds(jax.lax.axis_index("n") * ROWS, ROWS)])
+    plgpu.wait_smem_to_gmem(0)
+
+  def kernel(x_gmem, words_gmem, scale_gmem, out_gmem, out_smem):
+    def acc_scope(acc_ref):
+      plgpu.emit_pipeline(
+        lambda _, *refs: mma(*refs, acc_ref),
+        grid=(k // block_k,),
+        in_specs=in_specs,
+        max_concurrent_steps=tiles.max_concurrent_steps,
+      )(x_gmem, words_gmem)
+      return acc_ref[...]
+
+    store(pl.run_scoped(acc_scope, plgpu.ACC((ROWS, block_m))), scale_gmem, out_gmem, out_smem)
+
+  def kernel_ws(x_gmem, words_gmem, scale_gmem, out_gmem, out_smem):
+    # A producer warpgroup issues the copies; the consumer's loop only decodes and multiplies.
+    def compute_context(eval_pipeline):
+      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS, block_m), jnp.float32))
+      def _(acc_ref):
+        eval_pipeline(acc_ref)
+        store(acc_ref[...], scale_gmem, out_gmem, out_smem)
+
+    def body(_, x_smem, words_smem, acc_ref):
+      mma(x_smem, words_smem, acc_ref)
+      return acc_ref
+
+    plgpu.emit_pipeline_warp_specialized(
+      body,
+      grid=(k // block_k,),
+      memory_registers=40,
+      in_specs=in_specs,
+      wg_axis="wg",
+      num_compute_wgs=1,
+      max_concurrent_steps=tiles.max_concurrent_steps,
+      compute_context=compute_context,
+    )(x_gmem, words_gmem)
+
+  scale = jnp.full((1,), 2.0**RESULT_EXPONENT, jnp.float32)
+  if w.tensor_scale is not None:
+    scale = scale * w.tensor_scale
+  return plgpu.kernel(
+    kernel_ws if tiles.warp_specialized else kernel,
+    out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+    grid=(n // ROWS,),
+    grid_names=("n",),
+    **(dict(num_threads=2, thread_name="wg") if tiles.warp_specialized else {}),
+    scratch_types=dict(out_smem=plgpu.SMEM((block_m, ROWS), out_dtype)),
+    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )(x, w.words, scale)
+
+
+def fp4_matmul_mosaic_reference(x: jax.Array, w: fp4.QuantizedArray, out_dtype=jnp.bfloat16) -> jax.Array:
+  """The plain jnp matmul the kernel computes (on the unpacked weight)."""
+  values = fp4.dequantize(w, jnp.float32)
+  return jnp.dot(x.astype(jnp.float32), values.T, precision=jax.lax.Precision.HIGHEST).astype(out_dtype)
