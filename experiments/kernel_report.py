@@ -52,6 +52,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels import fp4_matmul as dense  # noqa: E402
+from pallas_kernels import fp4_mosaic as mosaic  # noqa: E402
 from pallas_kernels import gpu_compile  # noqa: E402
 from pallas_kernels import grouped_fp4_matmul as grouped  # noqa: E402
 from trace_jax import fp4  # noqa: E402
@@ -66,6 +67,7 @@ BUDGET = 2.5  # the issue's goal, instructions per weight
 class Case:
   kind: str  # dense | grouped | grouped_bf16 (the benchmark's baseline: the same kernel on bf16 weights)
   #            | mosaic_int8 (jax's own Mosaic GPU int8 x bf16 matmul, weights decoded in registers: a reference)
+  #            | mosaic_fp4 (pallas_kernels/fp4_mosaic.py: weights packed as wgmma fragments)
   m: int  # rows of x (grouped: tokens x top_k)
   n: int
   k: int
@@ -84,6 +86,8 @@ TEST_CASES = [
   Case("grouped", 20, 64, 1024, experts=6, tokens=10, fmt="mxfp4", label="grouped_6_experts"),
   Case("grouped_bf16", 64 * 8, 1536, 2048, experts=128, tokens=64, label="grouped_bf16"),
   Case("mosaic_int8", 16, 8192, 8192, fmt="int8", label="mosaic_int8"),
+  Case("mosaic_fp4", 1, 8192, 8192, label="mosaic_fp4_m1"),
+  Case("mosaic_fp4", 16, 8192, 8192, label="mosaic_fp4"),
 ]
 
 
@@ -98,6 +102,7 @@ def cases(which: str) -> list[Case]:
     for tokens in (64, 256):
       out += [Case("grouped", tokens * 8, n, k, 128, tokens, ptx_decode=ptx) for n, k in ((1536, 2048), (2048, 768))]
   out += [Case("grouped_bf16", tokens * 8, 1536, 2048, 128, tokens) for tokens in (64, 256)]
+  out += [Case("mosaic_fp4", m, 8192, 8192) for m in (1, 8, 16, 64)]
   return out + [Case("mosaic_int8", m, 8192, 8192, fmt="int8") for m in (16, 64)]
 
 
@@ -166,6 +171,8 @@ def _mosaic_int8_matmul(case: Case):
 def report_row(case: Case) -> dict:
   if case.kind == "mosaic_int8":
     return _mosaic_int8_row(case)
+  if case.kind == "mosaic_fp4":
+    return _mosaic_fp4_row(case)
   w = _weight(case)
   fmt = fp4.get_format(case.fmt)
   x = jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16)
@@ -201,6 +208,20 @@ def _mosaic_int8_row(case: Case) -> dict:
   w = jax.ShapeDtypeStruct((case.n, case.k), jnp.int8)
   xt = jax.ShapeDtypeStruct((case.k, tiles.block_m), jnp.bfloat16)
   return _row(case, gpu_compile.compile_for_h200(fn, w, xt), tiles, 1, 1, 0, 1)
+
+
+def _mosaic_fp4_row(case: Case) -> dict:
+  t = mosaic.default_tiles(case.m, case.k)
+  tiles = MosaicTiles(block_m=t.block_m, block_n=mosaic.ROWS, block_k=t.block_k)
+  w = jax.eval_shape(
+    mosaic.pack_fragments,
+    jax.eval_shape(
+      lambda a: fp4.quantize(a, "nvfp4", tensor_amax=jnp.float32(1)),
+      jax.ShapeDtypeStruct((case.n, case.k), jnp.float32),
+    ),
+  )
+  x = jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16)
+  return _row(case, gpu_compile.compile_for_h200(mosaic.fp4_matmul_mosaic, x, w), tiles, 1, 1, 0, 0.5 + 1 / 16)
 
 
 def _row(case: Case, program, tiles, streamed: int, distinct: int, partial_bytes: int, bytes_per_weight: float) -> dict:

@@ -365,7 +365,7 @@ def _decode_tile(block_k: int, k_offset: int = 0):
 
 def _store_transposed(block_m: int, out_dtype):
   """inline_mgpu function: (acc [64, block_m] f32 in the wgmma layout, scale gmem [1] f32, out smem
-  [block_m, 64]) -> out[t, r] = acc[r, t] * scale, as out_dtype: each thread stores its 8 values per
+  [block_m, 64]) -> out[t, r] = acc[r, t] * scale * 2^7, as out_dtype: each thread stores its 8 values per
   8 tokens where they belong (the epilogue's transpose; Mosaic's layout inference refuses a
   transposed smem store of a wgmma-layout array)."""
   from jax._src.lib.mlir import ir
@@ -382,7 +382,8 @@ def _store_transposed(block_m: int, out_dtype):
       arith.shli(arith.shrui(tid, mgpu_utils.c(5, i32)), mgpu_utils.c(4, i32)), arith.shrui(lane, mgpu_utils.c(2, i32))
     )
     col = arith.shli(arith.andi(lane, mgpu_utils.c(3, i32)), mgpu_utils.c(1, i32))
-    scale = memref.load(scale_ref, [mgpu_utils.c(0, index)])
+    two_7 = arith.constant(ir.F32Type.get(), ir.FloatAttr.get(ir.F32Type.get(), 2.0**RESULT_EXPONENT))
+    scale = arith.mulf(memref.load(scale_ref, [mgpu_utils.c(0, index)]), two_7)
     for idx, reg in np.ndenumerate(acc.registers):
       j, h = idx[1], idx[4]
       r = arith.index_cast(index, arith.addi(row, mgpu_utils.c(8 * h, i32)))
@@ -400,18 +401,27 @@ def _store_transposed(block_m: int, out_dtype):
 class MosaicTiles:
   block_m: int  # tokens per wgmma (its N): 16..64
   block_k: int  # K per pipeline step
-  sub_k: int = 256  # K per decode + wgmma batch (two batches in flight: decode overlaps the MMA)
+  # K per decode + wgmma batch; below block_k, batches overlap (decode j + 1 while batch j multiplies)
+  # but each costs its own descriptors and waits: 2.55 instead of 2.51 instructions per weight at 256.
+  sub_k: int | None = None  # None: block_k
   max_concurrent_steps: int = 4
   warp_specialized: bool = True
 
 
+SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: the pipeline's slots
+
+
 def default_tiles(m: int, k: int) -> MosaicTiles:
-  block_m = max(16, min(pl_next_power_of_2(m), 64))
-  block_k = 512 if k % 512 == 0 else 256 if k % 256 == 0 else SCALE_GROUP_K
-  return MosaicTiles(block_m, block_k)
+  """block_m: M rounded up to 16..64 (wgmma's N). block_k: 512 (the decoded tile is block_k / 4
+  registers per thread; the loop's fixed cost is spread over more weights) while the accumulator
+  is small, 256 at block_m = 64 (its 32 registers). As many pipeline slots (up to 4) as fit."""
+  block_m = max(16, min(_next_power_of_2(m), 64))
+  block_k = next(b for b in ((512, 256) if block_m <= 32 else (256,)) + (SCALE_GROUP_K,) if k % b == 0)
+  step_bytes = block_m * block_k * 2 + block_k * ROWS * 9 // 16
+  return MosaicTiles(block_m, block_k, max_concurrent_steps=max(1, min(4, SMEM_BUDGET // step_bytes)))
 
 
-def pl_next_power_of_2(n: int) -> int:
+def _next_power_of_2(n: int) -> int:
   return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
@@ -434,7 +444,7 @@ def fp4_matmul_mosaic(
   x = x.astype(jnp.bfloat16)  # rows m..block_m of its tiles: the copy engine's zero fill
   x_swizzle = plgpu.find_swizzle(block_k * 16, "rhs")
   x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
-  sub_k = min(tiles.sub_k, block_k)
+  sub_k = min(tiles.sub_k or block_k, block_k)
   if block_k % sub_k or sub_k % SCALE_GROUP_K:
     raise ValueError(
       f"fp4_matmul_mosaic: sub_k = {sub_k} must divide block_k = {block_k} and be a multiple of {SCALE_GROUP_K}."
@@ -497,9 +507,8 @@ def fp4_matmul_mosaic(
       compute_context=compute_context,
     )(x_gmem, words_gmem)
 
-  scale = jnp.full((1,), 2.0**RESULT_EXPONENT, jnp.float32)
-  if w.tensor_scale is not None:
-    scale = scale * w.tensor_scale
+  # The tensor scale goes in as it is (a reshape, no launch); the kernel multiplies by 2^7 itself.
+  scale = jnp.ones((1,), jnp.float32) if w.tensor_scale is None else w.tensor_scale.reshape(1).astype(jnp.float32)
   return plgpu.kernel(
     kernel_ws if tiles.warp_specialized else kernel,
     out_type=jax.ShapeDtypeStruct((m, n), out_dtype),

@@ -6,8 +6,8 @@ missing, without it. The compiles run in a child process (experiments/kernel_rep
 tests). The parsers are also checked on hand-written compiler output, which needs nothing.
 
 The ceilings below are today's figures (experiments/kernel_report.py, docs/perf/kernel_report.md),
-a regression guard: the issue's budget of 2.5 instructions per weight is not met yet, and
-`report_row(...)["within_budget"]` says so.
+a regression guard: the Triton kernels are far above the issue's budget of 2.5 instructions per
+weight; the Mosaic GPU kernel (pallas_kernels/fp4_mosaic.py) is at it.
 """
 
 import json
@@ -122,7 +122,9 @@ def rows(tmp_path_factory):
 @pytest.mark.parametrize("label", [case.label for case in kernel_report.TEST_CASES])
 def test_kernel_compiles_without_spills(rows, label):
   row = rows[label]
-  assert row["spill_bytes"] == 0 and row["registers"] <= 168  # 3 programs of 128 threads per SM
+  # Triton / jax's Mosaic matmul: 3 programs of 128 threads per SM. fp4_mosaic: one block of 2 warpgroups
+  # per SM (its pipeline fills the shared memory), the producer's registers handed to the consumer.
+  assert row["spill_bytes"] == 0 and row["registers"] <= (255 if row["kind"] == "mosaic_fp4" else 168)
   assert row["loop_mmas"] > 0
 
 
@@ -161,3 +163,19 @@ def test_mosaic_gpu_kernel_compiles_to_sass(rows):
   assert row["launch_names"] == ["kCustomCall"]  # one custom call: Mosaic's kernel
   assert row["loop_mmas"] == 8 and row["spill_bytes"] == 0
   assert 2.0 < row["instructions_per_weight"] <= 4.45  # today 4.2 (+5%)
+
+
+@needs_toolchain
+@pytest.mark.parametrize("label", ["mosaic_fp4_m1", "mosaic_fp4"])
+def test_mosaic_fp4_kernel(rows, label):
+  """The FP4 Mosaic kernel at decode (M = 1 and 16, K = N = 8192): one launch (no pad, no transpose, no
+  scale multiply outside it), the K loop's 512 / 16 = 32 HGMMA per warpgroup, and about 2.5
+  instructions per weight (today 2.51-2.52; +2%): 11 per 8 weights decode the codes, 4 multiplies
+  apply the scales, 1.5 decode them, then the HGMMA and its descriptor, and the loop's fixed cost."""
+  row = rows[label]
+  assert row["launch_names"] == ["kCustomCall"]
+  assert row["loop_mmas"] == 32 and row["spill_bytes"] == 0
+  assert row["instructions_per_weight"] <= 2.57
+  assert row["instructions_per_weight"] < rows["mosaic_int8"]["instructions_per_weight"] / 1.6
+  assert row["predicted_speedup"] >= 2.5  # memory-bound in the roofline model (issue time < memory time)
+  assert row["roofline_us"]["issue"] < row["roofline_us"]["memory"]

@@ -1,0 +1,155 @@
+"""The Mosaic GPU NVFP4 kernel's packed layout (pallas_kernels/fp4_mosaic.py).
+
+On CPU: the packing and the instruction-by-instruction emulation of the kernel's register decode
+are checked bit for bit against `fp4.dequantize` (every code in every slot, every E4M3 scale byte,
+random weights with zero, negative, subnormal and NaN scales). On a GPU (experiments/gpu_check.py
+runs this file there): the compiled kernel against its jnp reference. The kernel's compiled figures
+(one launch, no spills, instructions per weight) are checked by tests/test_gpu_compile.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import fp4_mosaic as fm
+from trace_jax import fp4
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _weight(codes: np.ndarray, scale_bytes: np.ndarray, tensor_scale=None) -> fp4.QuantizedArray:
+  packed = (codes[:, 0::2] | codes[:, 1::2] << 4).astype(np.uint8)
+  scales = jnp.asarray(scale_bytes.astype(np.uint8).view(jnp.float8_e4m3fn))
+  return fp4.QuantizedArray(jnp.asarray(packed), scales, tensor_scale, fp4.NVFP4)
+
+
+def _expected(w: fp4.QuantizedArray) -> np.ndarray:
+  """What the kernel's registers hold: the weight times 2^-7, without the tensor scale."""
+  values = fp4.dequantize(fp4.QuantizedArray(w.codes, w.scales, None, w.fmt))
+  return np.asarray(values).astype(np.float64) * 2.0**-fm.RESULT_EXPONENT
+
+
+def _assert_same(got: np.ndarray, want: np.ndarray):
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+  ok = ~np.isnan(want)
+  np.testing.assert_array_equal(got[ok], want[ok])  # (a zero block's zeros may lose their signs)
+
+
+def test_every_code_in_every_slot_decodes_to_its_bf16_bits():
+  # decode_word on words holding one code in one of the 8 slots: bits (code & 7) << 6 | sign << 15.
+  n, k = fm.ROWS, fm.SCALE_GROUP_K
+  for code in range(16):
+    codes = np.full((n, k), code, np.uint8)
+    w = fm.pack_fragments(_weight(codes, np.full((n, k // 16), 0x38)))  # scale 1.0
+    regs = np.stack(fm.decode_word(np.asarray(w.codes).view(np.uint32)), -1)
+    halves = np.concatenate([regs & 0xFFFF, regs >> 16])
+    assert np.all(halves == ((code & 7) << 6 | (code & 8) << 12)), code
+
+
+def test_every_e4m3_scale_byte():
+  # All 256 bytes, as one weight's block scales: values, zero blocks, NaN, negative (folded into the codes).
+  rng = np.random.default_rng(0)
+  n, k = fm.ROWS, 4 * fm.SCALE_GROUP_K  # 64 rows x 32 blocks = 2048 scales: each byte 8 times
+  codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+  scale_bytes = np.tile(np.arange(256), 8).reshape(n, k // 16)
+  w = _weight(codes, scale_bytes)
+  _assert_same(fm.decode_fragments_numpy(fm.pack_fragments(w)), _expected(w))
+
+
+def test_ue5m3_is_the_scale_times_2_119():
+  e4m3 = jnp.asarray(np.arange(128, dtype=np.uint8).view(jnp.float8_e4m3fn))
+  u, negative, zero = fm.ue5m3_from_e4m3(e4m3)
+  bits = (fm.SCALE_BIAS_BITS | np.asarray(u) << 4).astype(np.uint32) << 16
+  values = bits.view(np.float32).astype(np.float64)
+  want = np.asarray(e4m3.astype(jnp.float32), np.float64) * 2.0**fm.SCALE_EXPONENT
+  finite = ~np.isnan(want) & (want != 0)
+  np.testing.assert_array_equal(values[finite], want[finite])
+  assert np.isnan(values[0x7F]) and not np.asarray(negative).any() and np.asarray(zero)[0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+  st.integers(0, 2**32 - 1),
+  st.sampled_from([(64, 128), (128, 256), (64, 384)]),
+  st.floats(-14.0, 8.0),
+)
+def test_packed_weights_decode_to_dequantize(seed, shape, log2_range):
+  # Random weights over a random range (down to subnormal E4M3 scales), a zero block, a negative scale.
+  rng = np.random.default_rng(seed)
+  n, k = shape
+  x = rng.standard_normal((n, k)).astype(np.float32) * np.float32(2.0**log2_range)
+  x *= np.exp2(rng.uniform(-6, 0, (n, 1))).astype(np.float32)
+  x[rng.integers(n), :16] = 0
+  q = fp4.quantize(jnp.asarray(x), "nvfp4")
+  scale_bytes = np.asarray(q.scales).view(np.uint8).copy()
+  scale_bytes[rng.integers(n), rng.integers(k // 16)] |= 0x80
+  w = _weight(np.asarray(fp4.unpack_nibbles(q.codes)), scale_bytes)
+  _assert_same(fm.decode_fragments_numpy(fm.pack_fragments(w)), _expected(w))
+
+
+def test_tensor_scale_is_carried():
+  w = fp4.quantize(jnp.ones((64, 128)), "nvfp4", tensor_amax=jnp.float32(3.0))
+  packed = fm.pack_fragments(w)
+  assert packed.tensor_scale.shape == () and packed.shape == (64, 128)
+  assert packed.nbytes == 64 * 128 * 9 // 16  # 4.5 bits per weight, as the QuantizedArray
+
+
+@pytest.mark.parametrize(
+  "make, match",
+  [
+    (lambda: fp4.quantize(jnp.ones((64, 128)), "mxfp4"), "NVFP4"),
+    (lambda: fp4.quantize(jnp.ones((48, 128)), "nvfp4"), "multiple of 64"),
+    (lambda: fp4.quantize(jnp.ones((64, 96)), "nvfp4"), "K of 128"),
+    (lambda: fp4.quantize(jnp.ones((2, 64, 128)), "nvfp4"), "one weight"),
+    (lambda: fp4.quantize(jnp.ones((64, 128)), "nvfp4", tensor_amax=jnp.ones((64,))), "per-row tensor scale"),
+  ],
+)
+def test_pack_fragments_rejects(make, match):
+  with pytest.raises(ValueError, match=match):
+    fm.pack_fragments(make())
+
+
+def test_kernel_rejects_bad_calls():
+  w = fm.pack_fragments(fp4.quantize(jnp.ones((64, 128)), "nvfp4"))
+  with pytest.raises(ValueError, match="K = 256"):
+    fm.fp4_matmul_mosaic(jnp.ones((1, 256), jnp.bfloat16), w)
+  with pytest.raises(NotImplementedError, match="M = 65"):
+    fm.fp4_matmul_mosaic(jnp.ones((65, 128), jnp.bfloat16), w)
+
+
+# --- on a GPU -----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels need an sm_90 GPU (the layout is tested above)")
+@pytest.mark.parametrize("m", [1, 8, 16, 64])
+@pytest.mark.parametrize("tensor_amax", [None, 3.0])
+def test_kernel_matches_reference(m, tensor_amax):
+  rng = np.random.default_rng(m)
+  n, k = 256, 1024
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  amax = None if tensor_amax is None else jnp.float32(tensor_amax)
+  w = fp4.quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32), "nvfp4", tensor_amax=amax)
+  got = fm.fp4_matmul_mosaic(x, fm.pack_fragments(w), out_dtype=jnp.float32)
+  want = fm.fp4_matmul_mosaic_reference(x, w, out_dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels need an sm_90 GPU (the layout is tested above)")
+def test_kernel_every_scale_byte_and_bf16_output():
+  # Tiny (subnormal) E4M3 scales, zero blocks, NaN blocks, negative scales: the products are exact
+  # bf16 values whatever the scale, so an f32 matmul of them matches the reference closely.
+  rng = np.random.default_rng(1)
+  n, k = fm.ROWS, 4 * fm.SCALE_GROUP_K
+  codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+  w = _weight(codes, np.tile(np.arange(256), 8).reshape(n, k // 16))
+  x = jnp.asarray(rng.standard_normal((16, k)), jnp.bfloat16)
+  got = np.asarray(fm.fp4_matmul_mosaic(x, fm.pack_fragments(w), out_dtype=jnp.float32))
+  want = np.asarray(fm.fp4_matmul_mosaic_reference(x, w, out_dtype=jnp.float32))
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+  ok = ~np.isnan(want)
+  np.testing.assert_allclose(got[ok], want[ok], rtol=1e-4, atol=1e-30)
+  bf16 = fm.fp4_matmul_mosaic(x, fm.pack_fragments(w))
+  assert bf16.dtype == jnp.bfloat16
