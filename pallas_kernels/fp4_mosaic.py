@@ -78,8 +78,10 @@ class FragmentWeight:
   tensor_scale: jax.Array | None  # float32 scalar, or None
 
   @property
-  def shape(self) -> tuple[int, int]:
-    return self.words.shape[0] * ROWS, self.words.shape[1] * SCALE_GROUP_K
+  def shape(self) -> tuple[int, ...]:
+    """[N, K], or [E, N, K] for stacked experts (words [E, N/64, K/128, 9, 128])."""
+    *lead, row_tiles, k_groups = self.words.shape[:-2]
+    return (*lead, row_tiles * ROWS, k_groups * SCALE_GROUP_K)
 
   @property
   def nbytes(self) -> int:
@@ -166,16 +168,28 @@ def ue5m3_from_e4m3(scales: jax.Array) -> jax.Array:
 
 @jax.jit
 def pack_fragments(w: fp4.QuantizedArray) -> FragmentWeight:
-  """Permute an NVFP4 `QuantizedArray` [N, K] into the kernel's fragment layout (exact: see the
-  module docstring for zero and negative scales)."""
+  """Permute an NVFP4 `QuantizedArray` [N, K] (or stacked experts [E, N, K]) into the kernel's
+  fragment layout (exact: see the module docstring for zero and negative scales)."""
   if w.fmt.name != "nvfp4":
     raise ValueError(f"pack_fragments: the Mosaic FP4 kernel takes NVFP4 weights, got {w.fmt.name}.")
-  if w.codes.ndim != 2:
-    raise ValueError(f"pack_fragments: expected one weight [N, K/2], got codes of shape {w.codes.shape}.")
+  if w.codes.ndim not in (2, 3):
+    raise ValueError(
+      f"pack_fragments: expected a weight [N, K/2] or experts [E, N, K/2], got codes of shape {w.codes.shape}."
+    )
+  check_shape(*w.shape[-2:])
+  ts = w.tensor_scale
+  if ts is not None and ts.size not in (1, w.codes.shape[0] if w.codes.ndim == 3 else 1):
+    raise ValueError("pack_fragments: a per-row tensor scale is not supported; give one scale per tensor (or expert).")
+  if w.codes.ndim == 3:
+    experts = w.codes.shape[0]
+    ts = None if ts is None else jnp.broadcast_to(ts.reshape(-1), (experts,)).astype(jnp.float32)
+    one = lambda codes, scales: _pack_one(fp4.QuantizedArray(codes, scales, None, w.fmt))
+    return FragmentWeight(jax.vmap(one)(w.codes, w.scales).words, ts)
+  return _pack_one(w)
+
+
+def _pack_one(w: fp4.QuantizedArray) -> FragmentWeight:
   n, k = w.shape
-  check_shape(n, k)
-  if w.tensor_scale is not None and w.tensor_scale.size != 1:
-    raise ValueError("pack_fragments: a per-row tensor scale is not supported; give one scale per tensor.")
   u, negative, zero = ue5m3_from_e4m3(w.scales)
   codes = fp4.to_blocks(fp4.unpack_nibbles(w.codes).astype(jnp.uint32), w.fmt)  # [N, K/16, 16]
   flip = jnp.where(negative, jnp.uint32(8), jnp.uint32(0))[..., None]
@@ -308,8 +322,8 @@ mov.b32 $3, {o1, o1};
 }"""
 
 
-def _decode_tile(block_k: int, k_offset: int = 0):
-  """inline_mgpu function for K [k_offset, k_offset + block_k) of a step: (the words' smem block [1, block_k/128, 9, 128])
+def _decode_tile(block_k: int):
+  """inline_mgpu function: (the words' smem block [1, block_k/128, 9, 128])
   -> the bf16 [64, block_k] weight tile (times 2^-7) in registers, wgmma layout."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm, vector
@@ -336,7 +350,7 @@ def _decode_tile(block_k: int, k_offset: int = 0):
       out = llvm.inline_asm(four, args, text, "=r,=r,=r,=r," + ",".join("r" * len(args)))
       return [llvm.extractvalue(i32, out, [i]) for i in range(4)]
 
-    for kg in range(k_offset // GROUP_K, (k_offset + block_k) // GROUP_K):
+    for kg in range(block_k // GROUP_K):
       group = mgpu_utils.c(kg // 2, index)
       row = arith.addi(row_of_thread, mgpu_utils.c(4 * (kg % 2), index))
       words = vector.load(ir.VectorType.get((4,), i32), words_ref, [zero, group, row, col_of_thread])
@@ -352,9 +366,7 @@ def _decode_tile(block_k: int, k_offset: int = 0):
           chunk = 4 * kg + j
           regs = asm(_decode_ptx(), [vector.extract(words, [], [j]), s_r, s_r8])
           for o, reg in enumerate(regs):
-            registers[0, 2 * (chunk - 4 * (k_offset // GROUP_K)) + o // 2, 0, 0, o % 2, 0, 0, 0, 0] = (
-              mgpu_utils.bitcast(reg, bf16x2)
-            )
+            registers[0, 2 * chunk + o // 2, 0, 0, o % 2, 0, 0, 0, 0] = mgpu_utils.bitcast(reg, bf16x2)
     return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=None)
 
   return plgpu.inline_mgpu(
@@ -363,62 +375,70 @@ def _decode_tile(block_k: int, k_offset: int = 0):
   )(decode)
 
 
-def _store_transposed(block_m: int, out_dtype):
-  """inline_mgpu function: (acc [64, block_m] f32 in the wgmma layout, scale gmem [1] f32, out smem
-  [block_m, 64]) -> out[t, r] = acc[r, t] * scale * 2^7, as out_dtype: each thread stores its 8 values per
-  8 tokens where they belong (the epilogue's transpose; Mosaic's layout inference refuses a
-  transposed smem store of a wgmma-layout array)."""
+def _store_rows(block_m: int, out_dtype):
+  """inline_mgpu function: (acc [64, block_m] f32 (wgmma layout), first row, rows, first column,
+  scale: int32 / f32 scalars; out gmem [M, N]) -> out[row0 + t, col0 + r] = acc[r, t] * scale * 2^7
+  for t < rows: a tile of one expert's rows, written where they belong and nowhere else."""
   from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, memref, vector
+  from jax._src.lib.mlir.dialects import arith, memref, scf, vector
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  def store(_, acc, scale_ref, out_ref):
+  def store(_, acc, row0, rows, col0, scale, out_ref):
     i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
     out_type = mgpu_utils.dtype_to_ir_type(out_dtype)
+    row0, rows, col0, scale = (a.registers.flat[0] for a in (row0, rows, col0, scale))
+    two_7 = arith.constant(ir.F32Type.get(), ir.FloatAttr.get(ir.F32Type.get(), 2.0**RESULT_EXPONENT))
+    scale = arith.mulf(scale, two_7)
     tid = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(THREADS, i32))
     lane = arith.andi(tid, mgpu_utils.c(31, i32))
     row = arith.addi(
       arith.shli(arith.shrui(tid, mgpu_utils.c(5, i32)), mgpu_utils.c(4, i32)), arith.shrui(lane, mgpu_utils.c(2, i32))
     )
     col = arith.shli(arith.andi(lane, mgpu_utils.c(3, i32)), mgpu_utils.c(1, i32))
-    two_7 = arith.constant(ir.F32Type.get(), ir.FloatAttr.get(ir.F32Type.get(), 2.0**RESULT_EXPONENT))
-    scale = arith.mulf(memref.load(scale_ref, [mgpu_utils.c(0, index)]), two_7)
     for idx, reg in np.ndenumerate(acc.registers):
       j, h = idx[1], idx[4]
-      r = arith.index_cast(index, arith.addi(row, mgpu_utils.c(8 * h, i32)))
+      r = arith.index_cast(index, arith.addi(col0, arith.addi(row, mgpu_utils.c(8 * h, i32))))
       for e in range(2):
-        value = arith.mulf(vector.extract(reg, [], [e]), scale)
-        if out_type != value.type:
-          value = arith.truncf(out_type, value)
-        t = arith.index_cast(index, arith.addi(col, mgpu_utils.c(8 * j + e, i32)))
-        memref.store(value, out_ref, [t, r])
+        t = arith.addi(col, mgpu_utils.c(8 * j + e, i32))
+        inside = arith.cmpi(arith.CmpIPredicate.slt, t, rows)
+        branch = scf.IfOp(inside)
+        with ir.InsertionPoint(branch.then_block):
+          value = arith.mulf(vector.extract(reg, [], [e]), scale)
+          if out_type != value.type:
+            value = arith.truncf(out_type, value)
+          memref.store(value, out_ref, [arith.index_cast(index, arith.addi(row0, t)), r])
+          scf.yield_([])
 
-  return plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()))(store)
+  scalar = plgpu.Layout.WG_SPLAT(shape=())
+  return plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, scalar, scalar, scalar, scalar, plgpu.RefType()))(store)
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicTiles:
   block_m: int  # tokens per wgmma (its N): 16..64
-  block_k: int  # K per pipeline step
-  # K per decode + wgmma batch; below block_k, batches overlap (decode j + 1 while batch j multiplies)
-  # but each costs its own descriptors and waits: 2.55 instead of 2.51 instructions per weight at 256.
-  sub_k: int | None = None  # None: block_k
-  max_concurrent_steps: int = 4
-  warp_specialized: bool = True
+  block_k: int  # K per pipeline step (the decoded tile: block_k / 4 registers per thread)
+  max_concurrent_steps: int = 4  # pipeline slots
 
 
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: the pipeline's slots
 
 
 def default_tiles(m: int, k: int) -> MosaicTiles:
-  """block_m: M rounded up to 16..64 (wgmma's N). block_k: 512 (the decoded tile is block_k / 4
-  registers per thread; the loop's fixed cost is spread over more weights) while the accumulator
-  is small, 256 at block_m = 64 (its 32 registers). As many pipeline slots (up to 4) as fit."""
+  """block_m: M rounded up to 16..64 (wgmma's N). block_k: 512 (the loop's fixed cost is spread
+  over more weights) while the accumulator is small, 256 at block_m = 64 (its 32 registers). As
+  many pipeline slots (up to 4) as fit."""
   block_m = max(16, min(_next_power_of_2(m), 64))
   block_k = next(b for b in ((512, 256) if block_m <= 32 else (256,)) + (SCALE_GROUP_K,) if k % b == 0)
   step_bytes = block_m * block_k * 2 + block_k * ROWS * 9 // 16
   return MosaicTiles(block_m, block_k, max_concurrent_steps=max(1, min(4, SMEM_BUDGET // step_bytes)))
+
+
+def default_grouped_tiles(m: int, num_experts: int, k: int) -> MosaicTiles:
+  """block_m: 16 while the mean group is at most 8 rows, else 32, so that at decode a group longer
+  than block_m (which takes another pass, streaming its expert's tile again) is rare: at 256 tokens
+  top-8 of 128 experts the groups are 16 +- 4 rows."""
+  return default_tiles(16 if m <= 8 * num_experts else 32, k)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -429,98 +449,127 @@ def _next_power_of_2(n: int) -> int:
 def fp4_matmul_mosaic(
   x: jax.Array, w: FragmentWeight, *, tiles: MosaicTiles | None = None, out_dtype=jnp.bfloat16
 ) -> jax.Array:
-  """x[M, K] (bf16) @ dequantize(w)^T -> [M, N] on an sm_90 GPU (see the module docstring)."""
+  """x[M, K] (bf16) @ dequantize(w)^T -> [M, N] on an sm_90 GPU, M <= 64 (see the module
+  docstring): the grouped kernel with one expert holding every row."""
+  m, k = x.shape
+  if len(w.shape) != 2 or k != w.shape[1]:
+    raise ValueError(f"fp4_matmul_mosaic: x [M, {k}] does not match the weight {w.shape}.")
+  tiles = tiles or default_tiles(m, k)
+  if m > tiles.block_m:
+    raise NotImplementedError(f"fp4_matmul_mosaic: M = {m} above block_m = {tiles.block_m} (decode shapes only).")
+  experts = FragmentWeight(w.words[None], None if w.tensor_scale is None else w.tensor_scale.reshape(1))
+  return grouped_fp4_matmul_mosaic(x, jnp.full((1,), m, jnp.int32), experts, tiles=tiles, out_dtype=out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "out_dtype"))
+def grouped_fp4_matmul_mosaic(
+  x: jax.Array, group_sizes: jax.Array, w: FragmentWeight, *, tiles: MosaicTiles | None = None, out_dtype=jnp.bfloat16
+) -> jax.Array:
+  """x [M, K] (rows sorted by expert, `group_sizes` [E] rows each) times expert e's weight^T for
+  its rows -> [M, N], on an sm_90 GPU. Weights: `pack_fragments` of the experts [E, N, K].
+
+  One block per (expert, 64 weight rows): it reads the group sizes (its rows' start is the sum of
+  the groups before it, unrolled: no metadata kernel), streams its expert's tile once per
+  block_m of the expert's rows (once at decode) and nothing for an expert without rows, and writes
+  its rows itself (masked stores). Rows past sum(group_sizes) are zero (written by the last
+  expert's blocks), as in `grouped_fp4_matmul`."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   m, k = x.shape
-  n, k_w = w.shape
-  if k != k_w:
-    raise ValueError(f"fp4_matmul_mosaic: x has K = {k}, the weight K = {k_w}.")
-  tiles = tiles or default_tiles(m, k)
-  if m > tiles.block_m:
-    raise NotImplementedError(f"fp4_matmul_mosaic: M = {m} above block_m = {tiles.block_m} (decode shapes only).")
+  if w.words.ndim != 5:
+    raise ValueError(f"grouped_fp4_matmul_mosaic: expected stacked experts [E, N, K], got a weight of shape {w.shape}.")
+  num_experts, n, k_w = w.shape
+  if k != k_w or group_sizes.shape != (num_experts,):
+    raise ValueError(
+      f"grouped_fp4_matmul_mosaic: x [M, {k}], group_sizes {group_sizes.shape} and experts {w.shape} do not match."
+    )
+  tiles = tiles or default_grouped_tiles(m, num_experts, k)
   block_m, block_k = tiles.block_m, tiles.block_k
-  x = x.astype(jnp.bfloat16)  # rows m..block_m of its tiles: the copy engine's zero fill
+  x = x.astype(jnp.bfloat16)
   x_swizzle = plgpu.find_swizzle(block_k * 16, "rhs")
   x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
-  sub_k = min(tiles.sub_k or block_k, block_k)
-  if block_k % sub_k or sub_k % SCALE_GROUP_K:
-    raise ValueError(
-      f"fp4_matmul_mosaic: sub_k = {sub_k} must divide block_k = {block_k} and be a multiple of {SCALE_GROUP_K}."
-    )
-  decoders = [_decode_tile(sub_k, j * sub_k) for j in range(block_k // sub_k)]
-  store_transposed = _store_transposed(block_m, out_dtype)
+  decode = _decode_tile(block_k)
+  store_rows = _store_rows(block_m, out_dtype)
 
-  in_specs = [
-    plgpu.BlockSpec((block_m, block_k), lambda kk: (0, kk), transforms=x_transforms),
-    plgpu.BlockSpec((1, block_k // SCALE_GROUP_K, 9, THREADS), lambda kk: (jax.lax.axis_index("n"), kk, 0, 0)),
-  ]
+  def kernel(x_gmem, sizes_gmem, words_gmem, scale_gmem, out_gmem):
+    expert, row_tile = jax.lax.axis_index("e"), jax.lax.axis_index("n")
+    start = jnp.int32(0)
+    for g in range(num_experts):
+      start = start + jnp.where(g < expert, sizes_gmem[g], 0)
+    size = sizes_gmem[expert]
+    scale = scale_gmem[expert]
 
-  def mma(x_smem, words_smem, acc_ref):
-    for j, decode in enumerate(decoders):
-      weights = decode(words_smem)
-      plgpu.wgmma(acc_ref, weights, plgpu.transpose_ref(x_smem.at[:, pl.ds(j * sub_k, sub_k)], (1, 0)))
-      if j + 1 < len(decoders):
-        plgpu.wgmma_wait(1)  # the batch before this one is done: its registers can be reused
-    plgpu.wgmma_wait(0)  # the step's shared memory is released when this returns
+    total = start + size  # for the last expert: every grouped row
 
-  def store(acc, scale_gmem, out_gmem, out_smem):
-    # acc is out^T [64 rows, block_m tokens]: written transposed into [block_m, 64], the first m rows copied out.
-    store_transposed(acc, scale_gmem, out_smem)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, m)], out_gmem.at[:, pl.ds(jax.lax.axis_index("n") * ROWS, ROWS)])
-    plgpu.wait_smem_to_gmem(0)
+    @pl.when((expert == num_experts - 1) & (jax.lax.axis_index("wg") == 0))  # the compute warpgroup
+    def _():
+      zeros = plgpu.layout_cast(jnp.zeros((ROWS, block_m), jnp.float32), plgpu.Layout.WGMMA)
 
-  def kernel(x_gmem, words_gmem, scale_gmem, out_gmem, out_smem):
-    def acc_scope(acc_ref):
-      plgpu.emit_pipeline(
-        lambda _, *refs: mma(*refs, acc_ref),
-        grid=(k // block_k,),
-        in_specs=in_specs,
-        max_concurrent_steps=tiles.max_concurrent_steps,
-      )(x_gmem, words_gmem)
-      return acc_ref[...]
-
-    store(pl.run_scoped(acc_scope, plgpu.ACC((ROWS, block_m))), scale_gmem, out_gmem, out_smem)
-
-  def kernel_ws(x_gmem, words_gmem, scale_gmem, out_gmem, out_smem):
-    # A producer warpgroup issues the copies; the consumer's loop only decodes and multiplies.
-    def compute_context(eval_pipeline):
-      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS, block_m), jnp.float32))
-      def _(acc_ref):
-        eval_pipeline(acc_ref)
-        store(acc_ref[...], scale_gmem, out_gmem, out_smem)
+      @pl.loop(0, (m - total + block_m - 1) // block_m)
+      def _(tile):
+        row0 = total + tile * block_m
+        store_rows(zeros, row0, jnp.minimum(m - row0, block_m), row_tile * ROWS, scale, out_gmem)
 
     def body(_, x_smem, words_smem, acc_ref):
-      mma(x_smem, words_smem, acc_ref)
+      plgpu.wgmma(acc_ref, decode(words_smem), plgpu.transpose_ref(x_smem, (1, 0)))
+      plgpu.wgmma_wait(0)
       return acc_ref
 
-    plgpu.emit_pipeline_warp_specialized(
-      body,
-      grid=(k // block_k,),
-      memory_registers=40,
-      in_specs=in_specs,
-      wg_axis="wg",
-      num_compute_wgs=1,
-      max_concurrent_steps=tiles.max_concurrent_steps,
-      compute_context=compute_context,
-    )(x_gmem, words_gmem)
+    def pipeline(compute_context, row0):
+      return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k // block_k,),
+        memory_registers=40,
+        in_specs=[
+          plgpu.BlockSpec((pl.Element(block_m), block_k), lambda kk: (row0, kk), transforms=x_transforms),
+          plgpu.BlockSpec((1, block_k // SCALE_GROUP_K, 9, THREADS), lambda kk: (row_tile, kk, 0, 0)),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=1,
+        max_concurrent_steps=tiles.max_concurrent_steps,
+        compute_context=compute_context,
+      )
 
-  # The tensor scale goes in as it is (a reshape, no launch); the kernel multiplies by 2^7 itself.
-  scale = jnp.ones((1,), jnp.float32) if w.tensor_scale is None else w.tensor_scale.reshape(1).astype(jnp.float32)
+    @pl.loop(0, (size + block_m - 1) // block_m)
+    def _(tile):
+      row0 = start + tile * block_m
+      rows = jnp.minimum(size - tile * block_m, block_m)
+
+      def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS, block_m), jnp.float32))
+        def _(acc_ref):
+          eval_pipeline(acc_ref)
+          store_rows(acc_ref[...], row0, rows, row_tile * ROWS, scale, out_gmem)
+
+      pipeline(compute_context, row0)(x_gmem, words_gmem.at[expert])
+
+  if w.tensor_scale is None:
+    scale = jnp.ones((num_experts,), jnp.float32)
+  else:
+    scale = jnp.broadcast_to(w.tensor_scale.reshape(-1), (num_experts,)).astype(jnp.float32)
   return plgpu.kernel(
-    kernel_ws if tiles.warp_specialized else kernel,
+    kernel,
     out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-    grid=(n // ROWS,),
-    grid_names=("n",),
-    **(dict(num_threads=2, thread_name="wg") if tiles.warp_specialized else {}),
-    scratch_types=dict(out_smem=plgpu.SMEM((block_m, ROWS), out_dtype)),
-    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-  )(x, w.words, scale)
+    grid=(num_experts, n // ROWS),
+    grid_names=("e", "n"),
+    num_threads=2,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(),  # lane semantics: scalar control flow in the kernel
+  )(x, group_sizes.astype(jnp.int32), w.words, scale)
 
 
 def fp4_matmul_mosaic_reference(x: jax.Array, w: fp4.QuantizedArray, out_dtype=jnp.bfloat16) -> jax.Array:
   """The plain jnp matmul the kernel computes (on the unpacked weight)."""
   values = fp4.dequantize(w, jnp.float32)
   return jnp.dot(x.astype(jnp.float32), values.T, precision=jax.lax.Precision.HIGHEST).astype(out_dtype)
+
+
+def grouped_fp4_matmul_mosaic_reference(
+  x: jax.Array, group_sizes: jax.Array, w: fp4.QuantizedArray, out_dtype=jnp.bfloat16
+) -> jax.Array:
+  """The plain jnp computation of the grouped kernel (on the unpacked experts)."""
+  values = fp4.dequantize(w, jnp.float32)  # [E, N, K]
+  expert_of_row = jnp.repeat(jnp.arange(values.shape[0]), group_sizes, total_repeat_length=x.shape[0])
+  out = jnp.einsum("mk,mnk->mn", x.astype(jnp.float32), values[expert_of_row], precision=jax.lax.Precision.HIGHEST)
+  return out.astype(out_dtype)

@@ -103,7 +103,7 @@ def test_tensor_scale_is_carried():
     (lambda: fp4.quantize(jnp.ones((64, 128)), "mxfp4"), "NVFP4"),
     (lambda: fp4.quantize(jnp.ones((48, 128)), "nvfp4"), "multiple of 64"),
     (lambda: fp4.quantize(jnp.ones((64, 96)), "nvfp4"), "K of 128"),
-    (lambda: fp4.quantize(jnp.ones((2, 64, 128)), "nvfp4"), "one weight"),
+    (lambda: fp4.quantize(jnp.ones((2, 2, 64, 128)), "nvfp4"), "or experts"),
     (lambda: fp4.quantize(jnp.ones((64, 128)), "nvfp4", tensor_amax=jnp.ones((64,))), "per-row tensor scale"),
   ],
 )
@@ -114,7 +114,7 @@ def test_pack_fragments_rejects(make, match):
 
 def test_kernel_rejects_bad_calls():
   w = fm.pack_fragments(fp4.quantize(jnp.ones((64, 128)), "nvfp4"))
-  with pytest.raises(ValueError, match="K = 256"):
+  with pytest.raises(ValueError, match="does not match"):
     fm.fp4_matmul_mosaic(jnp.ones((1, 256), jnp.bfloat16), w)
   with pytest.raises(NotImplementedError, match="M = 65"):
     fm.fp4_matmul_mosaic(jnp.ones((65, 128), jnp.bfloat16), w)
@@ -153,3 +153,59 @@ def test_kernel_every_scale_byte_and_bf16_output():
   np.testing.assert_allclose(got[ok], want[ok], rtol=1e-4, atol=1e-30)
   bf16 = fm.fp4_matmul_mosaic(x, fm.pack_fragments(w))
   assert bf16.dtype == jnp.bfloat16
+
+
+def test_stacked_experts_pack_one_by_one():
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((3, 64, 128)), jnp.float32)
+  w = fp4.quantize(x, "nvfp4", tensor_amax=jnp.max(jnp.abs(x), axis=(1, 2), keepdims=True))
+  packed = fm.pack_fragments(w)
+  assert packed.shape == (3, 64, 128) and packed.tensor_scale.shape == (3,)
+  for e in range(3):
+    one = fm.pack_fragments(fp4.QuantizedArray(w.codes[e], w.scales[e], w.tensor_scale[e], w.fmt))
+    np.testing.assert_array_equal(np.asarray(packed.words[e]), np.asarray(one.words))
+    assert float(packed.tensor_scale[e]) == float(one.tensor_scale)
+
+
+def _experts(rng, e, n, k, per_expert_scale):
+  x = jnp.asarray(rng.standard_normal((e, n, k)) * 0.05, jnp.float32)
+  amax = jnp.max(jnp.abs(x), axis=(1, 2), keepdims=True) if per_expert_scale else None
+  return fp4.quantize(x, "nvfp4", tensor_amax=amax)
+
+
+def test_grouped_reference_is_one_matmul_per_group():
+  rng = np.random.default_rng(4)
+  w = _experts(rng, 3, 64, 128, True)
+  sizes = np.array([2, 0, 3])
+  x = jnp.asarray(rng.standard_normal((6, 128)), jnp.bfloat16)  # the last row belongs to no group
+  got = np.asarray(fm.grouped_fp4_matmul_mosaic_reference(x, jnp.asarray(sizes), w, out_dtype=jnp.float32))
+  one = lambda e, rows: fm.fp4_matmul_mosaic_reference(
+    x[rows], fp4.QuantizedArray(w.codes[e], w.scales[e], w.tensor_scale[e], w.fmt), out_dtype=jnp.float32
+  )
+  np.testing.assert_allclose(got[:2], np.asarray(one(0, slice(0, 2))), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got[2:5], np.asarray(one(2, slice(2, 5))), rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(got[5], 0)
+
+
+def test_grouped_kernel_rejects_bad_calls():
+  w = fm.pack_fragments(_experts(np.random.default_rng(0), 2, 64, 128, False))
+  x = jnp.ones((4, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="do not match"):
+    fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0, 0]), w)
+  with pytest.raises(ValueError, match="stacked experts"):
+    fm.grouped_fp4_matmul_mosaic(x, jnp.array([4]), fm.pack_fragments(fp4.quantize(jnp.ones((64, 128)), "nvfp4")))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels need an sm_90 GPU (the layout is tested above)")
+@pytest.mark.parametrize("per_expert_scale", [False, True])
+def test_grouped_kernel_matches_reference(per_expert_scale):
+  # Empty groups, a group longer than block_m (two passes), rows past the groups (zeros).
+  rng = np.random.default_rng(5)
+  e, n, k = 6, 128, 512
+  w = _experts(rng, e, n, k, per_expert_scale)
+  sizes = jnp.asarray([3, 0, 40, 1, 0, 7], jnp.int32)
+  x = jnp.asarray(rng.standard_normal((56, k)), jnp.bfloat16)
+  got = fm.grouped_fp4_matmul_mosaic(x, sizes, fm.pack_fragments(w), out_dtype=jnp.float32)
+  want = fm.grouped_fp4_matmul_mosaic_reference(x, sizes, w, out_dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(got)[51:] == 0)
