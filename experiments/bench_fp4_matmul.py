@@ -9,6 +9,8 @@ Dense (nn.Linear, weight [N, K]): x[M, K] bf16 with M in {1, 8, 64}, K = N in {4
   bf16         jnp.dot(x, w.T) with bf16 weights (XLA / cuBLAS)
   fp4 w4a16    fp4_matmul(x, nvfp4 weight): packed codes + E4M3 scales dequantized in the kernel
   ptx          the same with ptx_decode=True (codes decoded by inline PTX byte permutes; GPU only)
+  mosaic       fp4_mosaic.fp4_matmul_mosaic: the Mosaic GPU kernel on the weight packed as wgmma
+               fragments (`pack_fragments`, done once outside the timing, as at weight sync; GPU only)
   fp4 w4a4     fp4_matmul with quantize_activations=True (RTN NVFP4 fake-quant prologue on x)
 Grouped (MoE experts, E=128, top-8, hidden 2048, expert intermediate 768; gate_up [E, 1536, 2048]
 and down [E, 2048, 768]), T tokens in {8, 64, 256} routed uniformly at random, a new routing for
@@ -33,7 +35,7 @@ against the measured copy bandwidth of the device (a device-to-device copy of 2 
 With requirements-gpu-compile.txt installed, each row also gets the kernel's static figures
 (`pallas_kernels.gpu_compile`, compiled for sm_90a: launches per call, registers, SASS instructions
 per weight in the main loop), so that timings and instruction counts sit side by side.
-"speedup" is bf16 time / the faster fp4 (w4a16 or ptx) time; "vs roof" is the bf16 roofline time
+"speedup" is bf16 time / the fastest fp4 (w4a16, ptx or mosaic) time; "vs roof" is the bf16 roofline time
 (bf16 bytes at the measured copy bandwidth) over that fp4 time. The issue's goal: >= 2.5x at M <= 16.
 
 `err` / `ptx err` are max |kernel - jnp reference| / max |reference| (reference: fp4.dequantize +
@@ -62,6 +64,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from pallas_kernels import fp4_matmul as dense  # noqa: E402
+from pallas_kernels import fp4_mosaic as mosaic  # noqa: E402
 from pallas_kernels import grouped_fp4_matmul as grouped  # noqa: E402
 from trace_jax import fp4  # noqa: E402
 
@@ -203,8 +206,8 @@ def _sweep(name, kernel, xs, weights, setup: Setup, configs, fp4_bytes, bf16_t, 
 def bench_dense(setup: Setup, copy_bw: float, sweep: bool, report: Report):
   shapes = [(1, 256), (8, 256)] if setup.smoke else [(m, k) for k in (4096, 8192) for m in (1, 8, 64)]
   header = ["M", "K=N", "bf16 us", "GB/s", "w4a16 us", "GB/s", "%copy", "ptx us", "GB/s", "w4a4 us", "speedup"]
-  header += ["vs roof", "err", "ptx err", "%peak", "instr/w"]
-  widths = [4, 6, 9, 7, 9, 7, 6, 8, 7, 9, 8, 8, 8, 8, 6, 8]
+  header += ["vs roof", "err", "ptx err", "%peak", "instr/w", "mosaic us", "GB/s", "mos err", "mos i/w"]
+  widths = [4, 6, 9, 7, 9, 7, 6, 8, 7, 9, 8, 8, 8, 8, 6, 8, 10, 7, 8, 8]
   print("\nDense  x[M,K] @ w[N,K]^T  (NVFP4 weights, bf16 out)")
   print(_fmt_row(header, widths))
   rng = np.random.default_rng(0)
@@ -227,17 +230,26 @@ def bench_dense(setup: Setup, copy_bw: float, sweep: bool, report: Report):
     check = functools.partial(_error, args=(xs[0], wq), expected=expected)
     w4a16_t, err = _time_op(kernel, xs, fp4_weights, setup), check(kernel)
     ptx_t, ptx_err = float("nan"), float("nan")
+    mosaic_t, mosaic_err = float("nan"), float("nan")
     if not setup.interpret:
       ptx = functools.partial(kernel, ptx_decode=True)
       ptx_t, ptx_err = _time_op(ptx, xs, fp4_weights, setup), check(ptx)
+      packed = mosaic.pack_fragments(wq)
+      mosaic_copies = _copies(packed, _num_copies(fp4_bytes, setup))
+      mosaic_t = _time_op(mosaic.fp4_matmul_mosaic, xs, mosaic_copies, setup)
+      mosaic_err = _rel_err(mosaic.fp4_matmul_mosaic(xs[0], packed), expected)
+      del mosaic_copies
     w4a4_t = _time_op(functools.partial(kernel, quantize_activations=True), xs, fp4_weights, setup)
-    best = np.nanmin([w4a16_t, ptx_t])
+    best = np.nanmin([w4a16_t, ptx_t, mosaic_t])
     row = [m, k, _us(bf16_t), f"{bf16_bytes / bf16_t / 1e9:.0f}", _us(w4a16_t), f"{fp4_bytes / w4a16_t / 1e9:.0f}"]
     row += [f"{100 * fp4_bytes / best / copy_bw:.0f}", _us(ptx_t), f"{fp4_bytes / ptx_t / 1e9:.0f}", _us(w4a4_t)]
     row += [f"{bf16_t / best:.2f}x", f"{bf16_bytes / copy_bw / best:.2f}x", f"{err:.1e}", f"{ptx_err:.1e}"]
     figures = static_figures("dense", m, n, k, not setup.interpret)
     row += [f"{100 * fp4_bytes / best / NOMINAL_BW:.0f}"]
     row += ["n/a" if not figures or "error" in figures else figures["instructions_per_weight"]]
+    mosaic_figures = static_figures("mosaic_fp4", m, n, k, False)
+    row += [_us(mosaic_t), f"{fp4_bytes / mosaic_t / 1e9:.0f}", f"{mosaic_err:.1e}"]
+    row += ["n/a" if not mosaic_figures or "error" in mosaic_figures else mosaic_figures["instructions_per_weight"]]
     print(_fmt_row(row, widths))
     report.add(
       "dense",
@@ -245,7 +257,8 @@ def bench_dense(setup: Setup, copy_bw: float, sweep: bool, report: Report):
            bf16_gbps=bf16_bytes / bf16_t / 1e9, w4a16_us=w4a16_t * 1e6, w4a16_gbps=fp4_bytes / w4a16_t / 1e9,
            pct_copy=100 * fp4_bytes / best / copy_bw, ptx_us=ptx_t * 1e6, ptx_gbps=fp4_bytes / ptx_t / 1e9,
            w4a4_us=w4a4_t * 1e6, speedup=bf16_t / best, vs_roof=bf16_bytes / copy_bw / best, err=err, ptx_err=ptx_err,
-           pct_peak=100 * fp4_bytes / best / NOMINAL_BW, static=figures),
+           pct_peak=100 * fp4_bytes / best / NOMINAL_BW, static=figures, mosaic_us=mosaic_t * 1e6,
+           mosaic_gbps=fp4_bytes / mosaic_t / 1e9, mosaic_err=mosaic_err, mosaic_static=mosaic_figures),
     )  # fmt: skip
     if sweep and (k == shapes[0][1]):
       tiles = dense.default_tiles(m, n, k, wq.fmt, interpret=setup.interpret)

@@ -33,8 +33,9 @@ and the run goes on):
                 GPU and jax has no GPU backend. torch comes from the CPU wheel index (the rollout
                 benchmark runs transformers on the CPU; CUDA torch would bring its own nvidia-* libs).
                 Dev-only tools (ruff, notebooks) are left out.
-  kernel_tests  tests/test_pallas_kernels.py with TRACE_PALLAS_INTERPRET=0 on a GPU: the Pallas
-                kernels compiled through Triton (and the inline-PTX decode) against their jnp
+  kernel_tests  tests/test_pallas_kernels.py and tests/test_fp4_mosaic.py with TRACE_PALLAS_INTERPRET=0
+                on a GPU: the Pallas kernels compiled through Triton (and the inline-PTX decode) and the
+                Mosaic GPU kernel (M = 1..64, tensor scale, every E4M3 scale byte) against their jnp
                 references. --smoke: interpret mode, a few tests.
   fp4_matmul    experiments/bench_fp4_matmul.py --json (BF16 against the FP4 kernels; --smoke: tiny).
   rollout       experiments/bench_rollout.py --json (our engine, BF16 and FP4, against transformers
@@ -334,7 +335,8 @@ def stage_kernel_tests(limit_s: float, logs: pathlib.Path, smoke: bool, gpu: boo
   xml = logs / "kernel_tests.xml"
   xml.unlink(missing_ok=True)
   # -v: a line per test, so that a run cut off at its limit still says which tests passed (no junit xml then).
-  cmd = [sys.executable, "-m", "pytest", "tests/test_pallas_kernels.py", "-v", "-rfEs", f"--junitxml={xml}"]
+  tests = ["tests/test_pallas_kernels.py", "tests/test_fp4_mosaic.py"]  # Triton kernels; the Mosaic GPU kernel
+  cmd = [sys.executable, "-m", "pytest", *tests, "-v", "-rfEs", f"--junitxml={xml}"]
   if smoke:
     cmd += ["-k", SMOKE_KERNEL_TESTS]
   interpret = not gpu  # on a GPU: compiled, and the tests refuse to fall back to the interpreter
@@ -374,7 +376,9 @@ def stage_rollout(limit_s, logs, smoke):
 
 def stage_grpo_step(limit_s, logs, smoke):
   # smoke: bf16 only (the quickest compile); tests/test_bench_grpo_step.py smoke-runs trace
-  args = ["--smoke", "--tunix", "skip", "--modes", "bf16"] if smoke else ["--modes", "bf16,qat,trace", "--tunix", "auto"]
+  args = (
+    ["--smoke", "--tunix", "skip", "--modes", "bf16"] if smoke else ["--modes", "bf16,qat,trace", "--tunix", "auto"]
+  )
   return _bench_stage("grpo_step", "experiments/bench_grpo_step.py", args, limit_s, logs)
 
 

@@ -67,7 +67,7 @@ BUDGET = 2.5  # the issue's goal, instructions per weight
 class Case:
   kind: str  # dense | grouped | grouped_bf16 (the benchmark's baseline: the same kernel on bf16 weights)
   #            | mosaic_int8 (jax's own Mosaic GPU int8 x bf16 matmul, weights decoded in registers: a reference)
-  #            | mosaic_fp4 (pallas_kernels/fp4_mosaic.py: weights packed as wgmma fragments)
+  #            | mosaic_fp4 (pallas_kernels/fp4_mosaic.py: weights packed as wgmma fragments; experts > 0: grouped)
   m: int  # rows of x (grouped: tokens x top_k)
   n: int
   k: int
@@ -88,6 +88,7 @@ TEST_CASES = [
   Case("mosaic_int8", 16, 8192, 8192, fmt="int8", label="mosaic_int8"),
   Case("mosaic_fp4", 1, 8192, 8192, label="mosaic_fp4_m1"),
   Case("mosaic_fp4", 16, 8192, 8192, label="mosaic_fp4"),
+  Case("mosaic_fp4", 64 * 8, 1536, 2048, experts=128, tokens=64, label="mosaic_grouped"),
 ]
 
 
@@ -103,6 +104,8 @@ def cases(which: str) -> list[Case]:
       out += [Case("grouped", tokens * 8, n, k, 128, tokens, ptx_decode=ptx) for n, k in ((1536, 2048), (2048, 768))]
   out += [Case("grouped_bf16", tokens * 8, 1536, 2048, 128, tokens) for tokens in (64, 256)]
   out += [Case("mosaic_fp4", m, 8192, 8192) for m in (1, 8, 16, 64)]
+  for tokens in (64, 256):
+    out += [Case("mosaic_fp4", tokens * 8, n, k, 128, tokens) for n, k in ((1536, 2048), (2048, 768))]
   return out + [Case("mosaic_int8", m, 8192, 8192, fmt="int8") for m in (16, 64)]
 
 
@@ -211,17 +214,21 @@ def _mosaic_int8_row(case: Case) -> dict:
 
 
 def _mosaic_fp4_row(case: Case) -> dict:
-  t = mosaic.default_tiles(case.m, case.k)
-  tiles = MosaicTiles(block_m=t.block_m, block_n=mosaic.ROWS, block_k=t.block_k)
-  w = jax.eval_shape(
-    mosaic.pack_fragments,
-    jax.eval_shape(
-      lambda a: fp4.quantize(a, "nvfp4", tensor_amax=jnp.float32(1)),
-      jax.ShapeDtypeStruct((case.n, case.k), jnp.float32),
-    ),
-  )
+  """fp4_mosaic's kernel: dense (experts = 0) or grouped, the weight packed as wgmma fragments."""
+  w = jax.eval_shape(mosaic.pack_fragments, _weight(case))
   x = jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16)
-  return _row(case, gpu_compile.compile_for_h200(mosaic.fp4_matmul_mosaic, x, w), tiles, 1, 1, 0, 0.5 + 1 / 16)
+  if case.experts:
+    t = mosaic.default_grouped_tiles(case.m, case.experts, case.k)
+    sizes = jax.ShapeDtypeStruct((case.experts,), jnp.int32)
+    program = gpu_compile.compile_for_h200(functools.partial(mosaic.grouped_fp4_matmul_mosaic, tiles=t), x, sizes, w)
+    group_sizes = sampled_group_sizes(case)
+    streamed, distinct = int(np.sum(-(-group_sizes // t.block_m))), int(np.sum(group_sizes > 0))
+  else:
+    t = mosaic.default_tiles(case.m, case.k)
+    program = gpu_compile.compile_for_h200(functools.partial(mosaic.fp4_matmul_mosaic, tiles=t), x, w)
+    streamed = distinct = 1
+  tiles = MosaicTiles(block_m=t.block_m, block_n=mosaic.ROWS, block_k=t.block_k)
+  return _row(case, program, tiles, streamed, distinct, 0, 0.5 + 1 / 16)
 
 
 def _row(case: Case, program, tiles, streamed: int, distinct: int, partial_bytes: int, bytes_per_weight: float) -> dict:

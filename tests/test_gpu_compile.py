@@ -166,16 +166,19 @@ def test_mosaic_gpu_kernel_compiles_to_sass(rows):
 
 
 @needs_toolchain
-@pytest.mark.parametrize("label", ["mosaic_fp4_m1", "mosaic_fp4"])
+@pytest.mark.parametrize("label", ["mosaic_fp4_m1", "mosaic_fp4", "mosaic_grouped"])
 def test_mosaic_fp4_kernel(rows, label):
-  """The FP4 Mosaic kernel at decode (M = 1 and 16, K = N = 8192): one launch (no pad, no transpose, no
-  scale multiply outside it), the K loop's 512 / 16 = 32 HGMMA per warpgroup, and about 2.5
-  instructions per weight (today 2.51-2.52; +2%): 11 per 8 weights decode the codes, 4 multiplies
-  apply the scales, 1.5 decode them, then the HGMMA and its descriptor, and the loop's fixed cost."""
+  """The FP4 Mosaic kernel at decode (dense M = 1 and 16, K = N = 8192; grouped: 64 tokens top-8 of 128
+  experts): one launch (no pad, no transpose, no scale multiply, no group metadata outside it), the K
+  loop's 512 / 16 = 32 HGMMA per warpgroup, and within the issue's budget of 2.5 instructions per weight
+  (today 2.46-2.48): 11 per 8 weights decode the codes, 4 multiplies apply the scales, 1.5 decode them,
+  then the HGMMA and its descriptor, and the loop's fixed cost."""
   row = rows[label]
   assert row["launch_names"] == ["kCustomCall"]
   assert row["loop_mmas"] == 32 and row["spill_bytes"] == 0
-  assert row["instructions_per_weight"] <= 2.57
+  assert row["instructions_per_weight"] <= 2.5 and row["within_budget"]
   assert row["instructions_per_weight"] < rows["mosaic_int8"]["instructions_per_weight"] / 1.6
   assert row["predicted_speedup"] >= 2.5  # memory-bound in the roofline model (issue time < memory time)
   assert row["roofline_us"]["issue"] < row["roofline_us"]["memory"]
+  if row["experts"]:  # each expert with rows streamed once, none without
+    assert row["expert_streams"] == row["experts_with_rows"] == 126
