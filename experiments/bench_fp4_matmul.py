@@ -20,6 +20,7 @@ every call (so nothing that depends on group_sizes is amortized across calls):
   xla          jax.lax.ragged_dot with bf16 weights [E, K, N], for reference: XLA rewrites it into a
                dense masked matmul over all experts, so a speedup against it says little
   fp4          grouped_fp4_matmul (NVFP4); ptx: with ptx_decode=True
+  mosaic       fp4_mosaic.grouped_fp4_matmul_mosaic on the experts packed as wgmma fragments (GPU only)
 
 Timing. Each jitted call runs the op on `calls` different inputs in one dispatch (no loop, so XLA
 cannot hoist anything; different x per call, so it cannot merge calls), cycling over enough copies
@@ -307,8 +308,8 @@ def bench_grouped(setup: Setup, copy_bw: float, sweep: bool, report: Report):
     num_experts, top_k, hidden, inter, token_counts = 128, 8, 2048, 768, (8, 64, 256)
   layers = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}  # (N, K)
   header = ["layer", "T", "rows", "experts", "bf16 us", "GB/s", "fp4 us", "GB/s", "%copy", "%peak", "ptx us"]
-  header += ["speedup", "xla us", "err", "ptx err", "instr/w"]
-  widths = [7, 4, 5, 7, 9, 7, 9, 7, 6, 6, 8, 8, 9, 8, 8, 8]
+  header += ["speedup", "xla us", "err", "ptx err", "instr/w", "mosaic us", "mos err", "mos i/w"]
+  widths = [7, 4, 5, 7, 9, 7, 9, 7, 6, 6, 8, 8, 9, 8, 8, 8, 10, 8, 8]
   print(f"\nGrouped MoE  E={num_experts} top-{top_k} hidden={hidden} expert intermediate={inter}  (NVFP4, bf16 out)")
   print(_fmt_row(header, widths))
   rng = np.random.default_rng(1)
@@ -317,6 +318,7 @@ def bench_grouped(setup: Setup, copy_bw: float, sweep: bool, report: Report):
     w_bf16 = w.astype(jnp.bfloat16)  # [E, N, K] for the grouped kernels
     wq = jax.jit(fp4.quantize, static_argnums=1)(w, "nvfp4")
     del w
+    packed = None if setup.interpret else mosaic.pack_fragments(wq)
     for tokens in token_counts:
       sizes = [_route(tokens, num_experts, top_k, rng) for _ in range(setup.calls)]
       routings = [jnp.asarray(s) for s in sizes]
@@ -342,17 +344,25 @@ def bench_grouped(setup: Setup, copy_bw: float, sweep: bool, report: Report):
       check = functools.partial(_error, args=(xs[0], wq, routings[0]), expected=expected)
       fp4_t, err = _time_grouped(kernel, xs, fp4_weights, routings, setup), check(kernel)
       ptx_t, ptx_err = float("nan"), float("nan")
+      mosaic_t, mosaic_err = float("nan"), float("nan")
       if not setup.interpret:
         ptx = functools.partial(kernel, ptx_decode=True)
         ptx_t, ptx_err = _time_grouped(ptx, xs, fp4_weights, routings, setup), check(ptx)
-      best = np.nanmin([fp4_t, ptx_t])
+        mosaic_weights = _copies(packed, _num_copies(fp4_bytes, setup))
+        mosaic_kernel = lambda x, w, g: mosaic.grouped_fp4_matmul_mosaic(x, g, w)
+        mosaic_t = _time_grouped(mosaic_kernel, xs, mosaic_weights, routings, setup)
+        mosaic_err = _rel_err(mosaic_kernel(xs[0], packed, routings[0]), expected)
+        del mosaic_weights
+      best = np.nanmin([fp4_t, ptx_t, mosaic_t])
       shape = dict(experts=num_experts, tokens=tokens)
       figures = static_figures("grouped", rows, n, k, not setup.interpret, **shape)
       ipw = "n/a" if not figures or "error" in figures else figures["instructions_per_weight"]
       row = [name, tokens, rows, f"{active:.0f}", _us(bf16_t), f"{bf16_bytes / bf16_t / 1e9:.0f}", _us(fp4_t)]
       row += [f"{fp4_bytes / fp4_t / 1e9:.0f}", f"{100 * fp4_bytes / best / copy_bw:.0f}"]
       row += [f"{100 * fp4_bytes / best / NOMINAL_BW:.0f}", _us(ptx_t), f"{bf16_t / best:.2f}x", _us(xla_t)]
-      row += [f"{err:.1e}", f"{ptx_err:.1e}", ipw]
+      row += [f"{err:.1e}", f"{ptx_err:.1e}", ipw, _us(mosaic_t), f"{mosaic_err:.1e}"]
+      mosaic_figures = static_figures("mosaic_fp4", rows, n, k, False, **shape)
+      row += ["n/a" if not mosaic_figures or "error" in mosaic_figures else mosaic_figures["instructions_per_weight"]]
       print(_fmt_row(row, widths))
       report.add(
         "grouped",
@@ -360,7 +370,8 @@ def bench_grouped(setup: Setup, copy_bw: float, sweep: bool, report: Report):
              bf16_bytes=bf16_bytes, fp4_bytes=fp4_bytes, bf16_us=bf16_t * 1e6, bf16_gbps=bf16_bytes / bf16_t / 1e9,
              fp4_us=fp4_t * 1e6, fp4_gbps=fp4_bytes / fp4_t / 1e9, pct_copy=100 * fp4_bytes / best / copy_bw,
              pct_peak=100 * fp4_bytes / best / NOMINAL_BW, ptx_us=ptx_t * 1e6, speedup=bf16_t / best,
-             xla_ragged_dot_us=xla_t * 1e6, speedup_vs_xla=xla_t / best, err=err, ptx_err=ptx_err, static=figures),
+             xla_ragged_dot_us=xla_t * 1e6, speedup_vs_xla=xla_t / best, err=err, ptx_err=ptx_err, static=figures,
+             mosaic_us=mosaic_t * 1e6, mosaic_err=mosaic_err, mosaic_static=mosaic_figures),
       )  # fmt: skip
       if sweep and tokens == token_counts[0]:
         configs = [c for c in GROUPED_CONFIGS if not (setup.interpret and c["ptx_decode"])]
