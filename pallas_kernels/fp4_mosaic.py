@@ -425,11 +425,11 @@ SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: the pipeline's slot
 
 
 def default_tiles(m: int, k: int) -> MosaicTiles:
-  """block_m: M rounded up to 16..64 (wgmma's N). block_k: 512 (the loop's fixed cost is spread
-  over more weights) while the accumulator is small, 256 at block_m = 64 (its 32 registers). As
-  many pipeline slots (up to 4) as fit."""
+  """block_m: M rounded up to 16..64 (wgmma's N). block_k: the largest of 512, 384, 256 that divides
+  K (the loop's fixed cost is spread over more weights; 768 spills) while the accumulator is small,
+  256 at block_m = 64 (its 32 registers). As many pipeline slots (up to 4) as fit."""
   block_m = max(16, min(_next_power_of_2(m), 64))
-  block_k = next(b for b in ((512, 256) if block_m <= 32 else (256,)) + (SCALE_GROUP_K,) if k % b == 0)
+  block_k = next(b for b in ((512, 384, 256) if block_m <= 32 else (256,)) + (SCALE_GROUP_K,) if k % b == 0)
   step_bytes = block_m * block_k * 2 + block_k * ROWS * 9 // 16
   return MosaicTiles(block_m, block_k, max_concurrent_steps=max(1, min(4, SMEM_BUDGET // step_bytes)))
 
