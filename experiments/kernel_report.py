@@ -89,6 +89,8 @@ TEST_CASES = [
   Case("mosaic_fp4", 1, 8192, 8192, label="mosaic_fp4_m1"),
   Case("mosaic_fp4", 16, 8192, 8192, label="mosaic_fp4"),
   Case("mosaic_fp4", 64 * 8, 1536, 2048, experts=128, tokens=64, label="mosaic_grouped"),
+  Case("mosaic_fp4", 12, 256, 1024, label="mosaic_fp4_m12"),  # M > 8, not a multiple of 8: x padded
+  Case("mosaic_fp4", 20, 128, 256, experts=6, tokens=10, label="mosaic_grouped_small"),
 ]
 
 
@@ -222,7 +224,7 @@ def _mosaic_fp4_row(case: Case) -> dict:
     sizes = jax.ShapeDtypeStruct((case.experts,), jnp.int32)
     program = gpu_compile.compile_for_h200(functools.partial(mosaic.grouped_fp4_matmul_mosaic, tiles=t), x, sizes, w)
     group_sizes = sampled_group_sizes(case)
-    streamed, distinct = int(np.sum(-(-group_sizes // t.block_m))), int(np.sum(group_sizes > 0))
+    streamed, distinct = int(np.sum(mosaic.passes(group_sizes, t.block_m))), int(np.sum(group_sizes > 0))
   else:
     t = mosaic.default_tiles(case.m, case.k)
     program = gpu_compile.compile_for_h200(functools.partial(mosaic.fp4_matmul_mosaic, tiles=t), x, w)

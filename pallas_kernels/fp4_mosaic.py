@@ -6,8 +6,9 @@ and scales permuted once, at weight sync (`pack_fragments`), into the order the 
 want them (Marlin's idea, for the wgmma A operand). The layout:
 
   * Weights sit on the MMA's M side and tokens on its N side (out^T = W x^T): a warpgroup owns 64
-    weight rows; x is read as a [16..64, K] tile whose rows past M the copy engine fills with
-    zeros, so nothing pads it first.
+    weight rows; x is read in [16..64, K] tiles whose rows past M the copy engine fills with
+    zeros. (x's copies are tiled 8 rows deep, so a tile starts at a multiple of 8 rows, and an x of
+    more than 8 rows that are not a multiple of 8 is padded first: one more launch.)
   * For every 16-wide K chunk, a thread's share of the m64 x k16 A fragment is 8 weights (rows r
     and r + 8, columns 2c, 2c + 1, 2c + 8, 2c + 9): exactly one 32-bit word of codes. A thread's
     words for 4 consecutive chunks are contiguous (one 16-byte shared-memory load), and the 128
@@ -89,14 +90,14 @@ class FragmentWeight:
 
   @property
   def codes(self) -> jax.Array:
-    """int32 [N/64, K/64, 128 threads, 4 chunks]."""
-    n, k = self.shape
-    return self.words[:, :, :8].reshape(n // ROWS, k // GROUP_K, THREADS, 4)
+    """int32 [(E,) N/64, K/64, 128 threads, 4 chunks]."""
+    *lead, n, k = self.shape
+    return self.words[..., :8, :].reshape(*lead, n // ROWS, k // GROUP_K, THREADS, 4)
 
   @property
   def scales(self) -> jax.Array:
-    """int32 [N/64, K/128, 128]: per quad 4 words of UE5M3 bytes (rows r, r + 8) x 2 chunks."""
-    return self.words[:, :, 8]
+    """int32 [(E,) N/64, K/128, 128]: per quad 4 words of UE5M3 bytes (rows r, r + 8) x 2 chunks."""
+    return self.words[..., 8, :]
 
 
 def check_shape(n: int, k: int, what: str = "weight"):
@@ -376,18 +377,18 @@ def _decode_tile(block_k: int):
 
 
 def _store_rows(block_m: int, out_dtype):
-  """inline_mgpu function: (acc [64, block_m] f32 (wgmma layout), first row, rows, first column,
-  scale: int32 / f32 scalars; out gmem [M, N]) -> out[row0 + t, col0 + r] = acc[r, t] * scale * 2^7
-  for t < rows: a tile of one expert's rows, written where they belong and nowhere else."""
+  """inline_mgpu function: (acc [64, block_m] f32 (wgmma layout), the tile's first row, lo, hi, first
+  column, scale: int32 / f32 scalars; out gmem [M, N]) -> out[row0 + t, col0 + r] = acc[r, t] * scale
+  * 2^7 for lo <= t < hi: one expert's rows of a tile, written where they belong and nowhere else."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, memref, scf, vector
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  def store(_, acc, row0, rows, col0, scale, out_ref):
+  def store(_, acc, row0, lo, hi, col0, scale, out_ref):
     i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
     out_type = mgpu_utils.dtype_to_ir_type(out_dtype)
-    row0, rows, col0, scale = (a.registers.flat[0] for a in (row0, rows, col0, scale))
+    row0, lo, hi, col0, scale = (a.registers.flat[0] for a in (row0, lo, hi, col0, scale))
     two_7 = arith.constant(ir.F32Type.get(), ir.FloatAttr.get(ir.F32Type.get(), 2.0**RESULT_EXPONENT))
     scale = arith.mulf(scale, two_7)
     tid = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(THREADS, i32))
@@ -401,7 +402,7 @@ def _store_rows(block_m: int, out_dtype):
       r = arith.index_cast(index, arith.addi(col0, arith.addi(row, mgpu_utils.c(8 * h, i32))))
       for e in range(2):
         t = arith.addi(col, mgpu_utils.c(8 * j + e, i32))
-        inside = arith.cmpi(arith.CmpIPredicate.slt, t, rows)
+        inside = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, t, lo), arith.cmpi(arith.CmpIPredicate.slt, t, hi))
         branch = scf.IfOp(inside)
         with ir.InsertionPoint(branch.then_block):
           value = arith.mulf(vector.extract(reg, [], [e]), scale)
@@ -411,7 +412,7 @@ def _store_rows(block_m: int, out_dtype):
           scf.yield_([])
 
   scalar = plgpu.Layout.WG_SPLAT(shape=())
-  return plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, scalar, scalar, scalar, scalar, plgpu.RefType()))(store)
+  return plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, *[scalar] * 5, plgpu.RefType()))(store)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,6 +440,15 @@ def default_grouped_tiles(m: int, num_experts: int, k: int) -> MosaicTiles:
   than block_m (which takes another pass, streaming its expert's tile again) is rare: at 256 tokens
   top-8 of 128 experts the groups are 16 +- 4 rows."""
   return default_tiles(16 if m <= 8 * num_experts else 32, k)
+
+
+def passes(group_sizes: np.ndarray, block_m: int) -> np.ndarray:
+  """Per expert, the x tiles its rows touch in the grouped kernel (each streams the expert's weight
+  tile): tiles start at multiples of 8 rows, so a group starting at row s with r rows takes
+  ceil((s % 8 + r) / block_m), none when r = 0."""
+  sizes = np.asarray(group_sizes)
+  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+  return np.where(sizes > 0, -(-(starts % 8 + sizes) // block_m), 0)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -469,10 +479,10 @@ def grouped_fp4_matmul_mosaic(
   its rows -> [M, N], on an sm_90 GPU. Weights: `pack_fragments` of the experts [E, N, K].
 
   One block per (expert, 64 weight rows): it reads the group sizes (its rows' start is the sum of
-  the groups before it, unrolled: no metadata kernel), streams its expert's tile once per
-  block_m of the expert's rows (once at decode) and nothing for an expert without rows, and writes
+  the groups before it, unrolled: no metadata kernel), streams its expert's tile once per x tile
+  its rows touch (`passes`: once at decode) and nothing for an expert without rows, and writes
   its rows itself (masked stores). Rows past sum(group_sizes) are zero (written by the last
-  expert's blocks), as in `grouped_fp4_matmul`."""
+  expert's blocks), as in `grouped_fp4_matmul`; rows past M are never written."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -487,6 +497,8 @@ def grouped_fp4_matmul_mosaic(
   tiles = tiles or default_grouped_tiles(m, num_experts, k)
   block_m, block_k = tiles.block_m, tiles.block_k
   x = x.astype(jnp.bfloat16)
+  if m > 8 and m % 8:  # x's copies are tiled 8 rows deep: 8 rows or fewer, or a multiple of 8
+    x = jnp.pad(x, ((0, -m % 8), (0, 0)))
   x_swizzle = plgpu.find_swizzle(block_k * 16, "rhs")
   x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
   decode = _decode_tile(block_k)
@@ -509,7 +521,7 @@ def grouped_fp4_matmul_mosaic(
       @pl.loop(0, (m - total + block_m - 1) // block_m)
       def _(tile):
         row0 = total + tile * block_m
-        store_rows(zeros, row0, jnp.minimum(m - row0, block_m), row_tile * ROWS, scale, out_gmem)
+        store_rows(zeros, row0, 0, jnp.minimum(m - row0, block_m), row_tile * ROWS, scale, out_gmem)
 
     def body(_, x_smem, words_smem, acc_ref):
       plgpu.wgmma(acc_ref, decode(words_smem), plgpu.transpose_ref(x_smem, (1, 0)))
@@ -531,16 +543,21 @@ def grouped_fp4_matmul_mosaic(
         compute_context=compute_context,
       )
 
-    @pl.loop(0, (size + block_m - 1) // block_m)
+    # x's tiles start at a multiple of 8 rows (its copies are tiled 8 rows deep): the group's rows
+    # are [start - base, start - base + size) of the tiles from `base` on.
+    base = start // 8 * 8
+
+    @pl.loop(0, jnp.where(size > 0, (start - base + size + block_m - 1) // block_m, 0))
     def _(tile):
-      row0 = start + tile * block_m
-      rows = jnp.minimum(size - tile * block_m, block_m)
+      row0 = base + tile * block_m
+      lo = jnp.maximum(start - row0, 0)
+      hi = jnp.minimum(jnp.minimum(start + size, m) - row0, block_m)
 
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS, block_m), jnp.float32))
         def _(acc_ref):
           eval_pipeline(acc_ref)
-          store_rows(acc_ref[...], row0, rows, row_tile * ROWS, scale, out_gmem)
+          store_rows(acc_ref[...], row0, lo, hi, row_tile * ROWS, scale, out_gmem)
 
       pipeline(compute_context, row0)(x_gmem, words_gmem.at[expert])
 

@@ -49,6 +49,49 @@ def test_every_code_in_every_slot_decodes_to_its_bf16_bits():
     assert np.all(halves == ((code & 7) << 6 | (code & 8) << 12)), code
 
 
+def _mosaic_wgmma_layout(k: int) -> dict:
+  """(warp, lane, register index, vector element) -> (row, col) of a [64, k] array in Mosaic's
+  WGMMA_LAYOUT, from its tiling and dims (Mosaic's own definition, not our packing's)."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+  layout = fa.WGMMA_LAYOUT
+  idx = np.stack(np.meshgrid(np.arange(64), np.arange(k), indexing="ij"), -1)  # [64, k, (row, col)]
+  for tile in layout.tiling.tiles:  # each tile unfolds the trailing dims: (a, b) -> (a/ta, b/tb, ta, tb)
+    lead, n = idx.shape[: -1 - len(tile)], len(tile)
+    split = [d for size, t in zip(idx.shape[-1 - n : -1], tile) for d in (size // t, t)]
+    idx = idx.reshape(*lead, *split, 2)
+    order = list(range(len(lead))) + [len(lead) + 2 * i for i in range(n)] + [len(lead) + 2 * i + 1 for i in range(n)]
+    idx = idx.transpose(*order, len(order))
+  dims = idx.ndim - 1
+  warp_dim, (lane_row, lane_col), vector = dims + layout.warp_dims[0], [dims + d for d in layout.lane_dims], dims - 1
+  mapping = {}
+  for pos in np.ndindex(*idx.shape[:-1]):
+    lane = pos[lane_row] * idx.shape[lane_col] + pos[lane_col]
+    register = tuple(0 if d in (warp_dim, lane_row, lane_col, vector) else p for d, p in enumerate(pos))
+    mapping[pos[warp_dim], lane, register, pos[vector]] = tuple(idx[pos])
+  return mapping
+
+
+def test_packing_matches_mosaic_wgmma_layout():
+  # Where the kernel puts register o of chunk kk (`_decode_tile`: register index (0, 2 kk + o // 2, 0, 0,
+  # o % 2, ...)) must be where Mosaic's layout says that register's weights are: the (row, col) that
+  # `_fragment_order` packed into that slot of that thread's word.
+  k = fm.GROUP_K
+  mosaic = _mosaic_wgmma_layout(k)
+  rows, cols = np.meshgrid(np.arange(64), np.arange(k), indexing="ij")
+  where = np.asarray(fm._fragment_order(jnp.asarray(rows * k + cols), 64, k))[0, 0]  # [thread, chunk, o, e]
+  for thread, chunk, o, e in np.ndindex(*where.shape):
+    register = (0, 2 * chunk + o // 2, 0, 0, o % 2, 0, 0, 0, 0)
+    assert mosaic[thread // 32, thread % 32, register, e] == divmod(int(where[thread, chunk, o, e]), k)
+
+
+def test_passes_counts_the_x_tiles_a_group_touches():
+  # Groups [5, 0, 12, 30] start at rows 0, 5, 5, 17: tiles start at multiples of 8.
+  np.testing.assert_array_equal(fm.passes(np.array([5, 0, 12, 30]), 16), [1, 0, 2, 2])
+  np.testing.assert_array_equal(fm.passes(np.array([5, 0, 12, 30]), 32), [1, 0, 1, 1])
+  np.testing.assert_array_equal(fm.passes(np.array([7, 2]), 16), [1, 1])  # rows 7, 8: one tile [0, 16)
+
+
 def test_every_e4m3_scale_byte():
   # All 256 bytes, as one weight's block scales: values, zero blocks, NaN, negative (folded into the codes).
   rng = np.random.default_rng(0)
@@ -60,14 +103,17 @@ def test_every_e4m3_scale_byte():
 
 
 def test_ue5m3_is_the_scale_times_2_119():
-  e4m3 = jnp.asarray(np.arange(128, dtype=np.uint8).view(jnp.float8_e4m3fn))
-  u, negative, zero = fm.ue5m3_from_e4m3(e4m3)
-  bits = (fm.SCALE_BIAS_BITS | np.asarray(u) << 4).astype(np.uint32) << 16
-  values = bits.view(np.float32).astype(np.float64)
-  want = np.asarray(e4m3.astype(jnp.float32), np.float64) * 2.0**fm.SCALE_EXPONENT
-  finite = ~np.isnan(want) & (want != 0)
-  np.testing.assert_array_equal(values[finite], want[finite])
-  assert np.isnan(values[0x7F]) and not np.asarray(negative).any() and np.asarray(zero)[0]
+  # Every E4M3 byte: |scale| * 2^119 as bf16 0x7000 | u << 4 (NaN stays NaN), with its sign and zero flags.
+  byte = np.arange(256, dtype=np.uint8)
+  e4m3 = jnp.asarray(byte.view(jnp.float8_e4m3fn))
+  u, negative, zero = (np.asarray(a) for a in fm.ue5m3_from_e4m3(e4m3))
+  values = ((fm.SCALE_BIAS_BITS | u << 4).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+  scale = np.asarray(e4m3.astype(jnp.float32), np.float64)
+  finite = ~np.isnan(scale) & (scale != 0)
+  np.testing.assert_array_equal(values[finite], np.abs(scale[finite]) * 2.0**fm.SCALE_EXPONENT)
+  np.testing.assert_array_equal(np.isnan(values), np.isnan(scale))
+  np.testing.assert_array_equal(negative, scale < 0)
+  np.testing.assert_array_equal(zero, (byte & 0x7F) == 0)
 
 
 @settings(max_examples=25, deadline=None)
@@ -124,7 +170,7 @@ def test_kernel_rejects_bad_calls():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels need an sm_90 GPU (the layout is tested above)")
-@pytest.mark.parametrize("m", [1, 8, 16, 64])
+@pytest.mark.parametrize("m", [1, 8, 12, 16, 64])
 @pytest.mark.parametrize("tensor_amax", [None, 3.0])
 def test_kernel_matches_reference(m, tensor_amax):
   rng = np.random.default_rng(m)

@@ -182,3 +182,14 @@ def test_mosaic_fp4_kernel(rows, label):
   assert row["roofline_us"]["issue"] < row["roofline_us"]["memory"]
   if row["experts"]:  # each expert with rows streamed once, none without
     assert row["expert_streams"] == row["experts_with_rows"] == 126
+
+
+@needs_toolchain
+def test_mosaic_fp4_odd_shapes_compile(rows):
+  """Shapes the tiled copies of x constrain (8-row tiles): M = 12 pads x to 16 rows first (one more launch);
+  a grouped call of 20 rows (6 experts, K = 256: one 256-wide step) compiles the same kernel."""
+  assert rows["mosaic_fp4_m12"]["launch_names"][-1] == "kCustomCall"
+  assert len(rows["mosaic_fp4_m12"]["launch_names"]) == 2
+  assert rows["mosaic_grouped_small"]["launch_names"][-1] == "kCustomCall"
+  for label in ("mosaic_fp4_m12", "mosaic_grouped_small"):
+    assert rows[label]["spill_bytes"] == 0 and rows[label]["loop_mmas"] > 0
