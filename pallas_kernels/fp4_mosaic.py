@@ -38,8 +38,9 @@ Pallas-Triton kernel.
 CPU: the kernel needs an sm_90 GPU (Mosaic GPU has no interpret mode for inline Mosaic code); the
 packing and a numpy emulation of the register decode (`decode_fragments_numpy`, instruction by
 instruction) run anywhere, and tests/test_fp4_mosaic.py checks the emulation bit for bit against
-`fp4.dequantize`, and on a GPU the kernel against `fp4_matmul_mosaic_reference`
-(experiments/gpu_check.py runs those tests).
+`fp4.dequantize`, and on a GPU the kernel against the Triton kernels' jnp references
+(`fp4_matmul.fp4_matmul_reference`, `grouped_fp4_matmul.grouped_fp4_matmul_reference`;
+experiments/gpu_check.py runs those tests).
 """
 
 from __future__ import annotations
@@ -280,10 +281,9 @@ def decode_fragments_numpy(w: FragmentWeight) -> np.ndarray:
 # --- the kernel ----------------------------------------------------------------------------------
 
 
-def _decode_ptx() -> str:
-  """PTX: code word $4, scale registers $5 (rows r) and $6 (rows r + 8) already broadcast ->
-  the fragment's four bf16x2 registers $0..$3."""
-  return f"""{{
+# PTX: code word $4, scale registers $5 (rows r) and $6 (rows r + 8) already broadcast -> the
+# fragment's four bf16x2 registers $0..$3.
+_DECODE_PTX = f"""{{
 .reg .b32 l0, l1, h0, h1, t;
 and.b32 l0, $4, 0xC0C0C0C0;
 shl.b32 l1, $4, 2;
@@ -303,12 +303,11 @@ mul.rn.bf16x2 $3, t, $6;
 }}"""
 
 
-def _scale_ptx() -> str:
-  """PTX: scale word $4, bias word $5 -> broadcast bf16x2 scales: $0 rows r chunk 2h, $1 rows r
-  chunk 2h+1, $2 rows r+8 chunk 2h, $3 rows r+8 chunk 2h+1. (The bias is an operand so that each
-  and-or is one lop3 with the mask as its immediate; the broadcasts become operand selectors
-  (.H0_H0 / .H1_H1) of the multiplies.)"""
-  return """{
+# PTX: scale word $4, bias word $5 -> broadcast bf16x2 scales: $0 rows r chunk 2h, $1 rows r chunk
+# 2h+1, $2 rows r+8 chunk 2h, $3 rows r+8 chunk 2h+1. (The bias is an operand so that each and-or is
+# one lop3 with the mask as its immediate; the broadcasts become operand selectors (.H0_H0 /
+# .H1_H1) of the multiplies.)
+_SCALE_PTX = """{
 .reg .b32 e, o;
 .reg .b16 e0, e1, o0, o1;
 lop3.b32 e, $4, 0x0FF00FF0, $5, 0xEA;
@@ -361,11 +360,11 @@ def _decode_tile(block_k: int):
         )
       for h in range(2):
         scale_word = vector.extract(scale_words, [], [2 * (kg % 2) + h])
-        r_even, r_odd, r8_even, r8_odd = asm(_scale_ptx(), [scale_word, bias])
+        r_even, r_odd, r8_even, r8_odd = asm(_SCALE_PTX, [scale_word, bias])
         for jj, (s_r, s_r8) in enumerate(((r_even, r8_even), (r_odd, r8_odd))):
           j = 2 * h + jj
           chunk = 4 * kg + j
-          regs = asm(_decode_ptx(), [vector.extract(words, [], [j]), s_r, s_r8])
+          regs = asm(_DECODE_PTX, [vector.extract(words, [], [j]), s_r, s_r8])
           for o, reg in enumerate(regs):
             registers[0, 2 * chunk + o // 2, 0, 0, o % 2, 0, 0, 0, 0] = mgpu_utils.bitcast(reg, bf16x2)
     return mgpu.FragmentedArray(_registers=registers, _layout=layout, _is_signed=None)
@@ -574,20 +573,3 @@ def grouped_fp4_matmul_mosaic(
     thread_name="wg",
     compiler_params=plgpu.CompilerParams(),  # lane semantics: scalar control flow in the kernel
   )(x, group_sizes.astype(jnp.int32), w.words, scale)
-
-
-def fp4_matmul_mosaic_reference(x: jax.Array, w: fp4.QuantizedArray, out_dtype=jnp.bfloat16) -> jax.Array:
-  """The plain jnp matmul the kernel computes (on the unpacked weight)."""
-  values = fp4.dequantize(w, jnp.float32)
-  return jnp.dot(x.astype(jnp.float32), values.T, precision=jax.lax.Precision.HIGHEST).astype(out_dtype)
-
-
-def grouped_fp4_matmul_mosaic_reference(
-  x: jax.Array, group_sizes: jax.Array, w: fp4.QuantizedArray, out_dtype=jnp.bfloat16
-) -> jax.Array:
-  """The plain jnp computation of the grouped kernel (on the unpacked experts)."""
-  values = fp4.dequantize(w, jnp.float32)  # [E, N, K]
-  expert_of_row = jnp.repeat(jnp.arange(values.shape[0]), group_sizes, total_repeat_length=x.shape[0])
-  out = jnp.einsum("mk,mnk->mn", x.astype(jnp.float32), values[expert_of_row], precision=jax.lax.Precision.HIGHEST)
-  grouped = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)  # rows past the groups are zero
-  return jnp.where(grouped[:, None], out, 0).astype(out_dtype)

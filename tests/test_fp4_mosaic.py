@@ -14,7 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pallas_kernels import fp4_matmul as dense
 from pallas_kernels import fp4_mosaic as fm
+from pallas_kernels import grouped_fp4_matmul as grouped
 from trace_jax import fp4
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -179,7 +181,7 @@ def test_kernel_matches_reference(m, tensor_amax):
   amax = None if tensor_amax is None else jnp.float32(tensor_amax)
   w = fp4.quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32), "nvfp4", tensor_amax=amax)
   got = fm.fp4_matmul_mosaic(x, fm.pack_fragments(w), out_dtype=jnp.float32)
-  want = fm.fp4_matmul_mosaic_reference(x, w, out_dtype=jnp.float32)
+  want = dense.fp4_matmul_reference(x, w, out_dtype=jnp.float32)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
@@ -193,7 +195,7 @@ def test_kernel_every_scale_byte_and_bf16_output():
   w = _weight(codes, np.tile(np.arange(256), 8).reshape(n, k // 16))
   x = jnp.asarray(rng.standard_normal((16, k)), jnp.bfloat16)
   got = np.asarray(fm.fp4_matmul_mosaic(x, fm.pack_fragments(w), out_dtype=jnp.float32))
-  want = np.asarray(fm.fp4_matmul_mosaic_reference(x, w, out_dtype=jnp.float32))
+  want = np.asarray(dense.fp4_matmul_reference(x, w, out_dtype=jnp.float32))
   np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
   ok = ~np.isnan(want)
   np.testing.assert_allclose(got[ok], want[ok], rtol=1e-4, atol=1e-30)
@@ -220,12 +222,14 @@ def _experts(rng, e, n, k, per_expert_scale):
 
 
 def test_grouped_reference_is_one_matmul_per_group():
+  # The GPU tests hold the kernel to the Triton kernels' references: the grouped one is a matmul per
+  # group, with zeros past the groups (what the kernel writes there).
   rng = np.random.default_rng(4)
   w = _experts(rng, 3, 64, 128, True)
   sizes = np.array([2, 0, 3])
   x = jnp.asarray(rng.standard_normal((6, 128)), jnp.bfloat16)  # the last row belongs to no group
-  got = np.asarray(fm.grouped_fp4_matmul_mosaic_reference(x, jnp.asarray(sizes), w, out_dtype=jnp.float32))
-  one = lambda e, rows: fm.fp4_matmul_mosaic_reference(
+  got = np.asarray(grouped.grouped_fp4_matmul_reference(x, jnp.asarray(sizes), w, out_dtype=jnp.float32))
+  one = lambda e, rows: dense.fp4_matmul_reference(
     x[rows], fp4.QuantizedArray(w.codes[e], w.scales[e], w.tensor_scale[e], w.fmt), out_dtype=jnp.float32
   )
   np.testing.assert_allclose(got[:2], np.asarray(one(0, slice(0, 2))), rtol=1e-5, atol=1e-6)
@@ -252,6 +256,6 @@ def test_grouped_kernel_matches_reference(per_expert_scale):
   sizes = jnp.asarray([3, 0, 40, 1, 0, 7], jnp.int32)
   x = jnp.asarray(rng.standard_normal((56, k)), jnp.bfloat16)
   got = fm.grouped_fp4_matmul_mosaic(x, sizes, fm.pack_fragments(w), out_dtype=jnp.float32)
-  want = fm.grouped_fp4_matmul_mosaic_reference(x, sizes, w, out_dtype=jnp.float32)
+  want = grouped.grouped_fp4_matmul_reference(x, sizes, w, out_dtype=jnp.float32)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   assert np.all(np.asarray(got)[51:] == 0)
