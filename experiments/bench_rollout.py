@@ -15,9 +15,11 @@ same weights. Every system decodes the same prompts (16 tokens, unpadded) greedi
 
   ours bf16         rollout.generate, quant=None: bf16 weights, activations and KV cache.
   ours fp4          rollout.generate, NVFP4 W4A4 routed experts + FP4 KV cache (no guidance
-                    recorded). On CPU the packed experts are dequantized for every grouped matmul
-                    (the jnp reference): no FP4 arithmetic, so this measures the overhead of FP4
-                    storage, not the speed of FP4 tensor cores.
+                    recorded). On CPU the packed experts are decoded once per generate (no FP4
+                    arithmetic: this measures the overhead of FP4 storage and online activation
+                    quantization); on a GPU the FP4 grouped kernel, the Mosaic GPU one on Hopper
+                    (`rollout.expert_layout`, printed).
+  ours fp4 triton   (Hopper only) the same with quant.matmul_impl='pallas': the Pallas-Triton kernel.
   transformers dt   Qwen3MoeForCausalLM.generate in dtype dt with its default experts and attention
                     implementations (printed), DynamicCache, torch.inference_mode.
 
@@ -193,6 +195,10 @@ def main(argv=None):
   )
   params = jax.jit(model.init_params, static_argnums=0)(config, jax.random.key(args.seed))
   systems = {"ours bf16": ours(params, None), "ours fp4": ours(params, QuantConfig())}
+  fp4_layout = rollout.expert_layout(RolloutConfig(quant=QuantConfig()), config)
+  print(f"ours fp4: routed experts as {fp4_layout} ({rollout.EXPERT_LAYOUTS_DOC[fp4_layout]})")
+  if fp4_layout == "fragments":  # Hopper: the Mosaic kernel; the Triton kernel beside it
+    systems["ours fp4 triton"] = ours(params, QuantConfig(matmul_impl="pallas"))
   hf_names = []
   with tempfile.TemporaryDirectory() as path:
     hf.save_pretrained(path, config, params)

@@ -1,10 +1,14 @@
 """FP4 matmul kernels for the rollout engine, and the dispatch it calls.
 
 Kernels and references: `pallas_kernels.fp4_matmul` (dense, nn.Linear weights) and
-`pallas_kernels.grouped_fp4_matmul` (MoE experts, rows sorted by expert).
+`pallas_kernels.grouped_fp4_matmul` (MoE experts, rows sorted by expert), in Pallas-Triton, any
+FP4 format; `pallas_kernels.fp4_mosaic` (both, one Mosaic GPU kernel for Hopper, NVFP4 weights
+packed as wgmma fragments: `FragmentWeight`).
 
-`packed_matmul` / `grouped_packed_matmul` pick an implementation: the Pallas kernel on GPU
-(`impl="auto"` when `jax.default_backend() == "gpu"`), the plain jnp reference elsewhere. The
+`packed_matmul` / `grouped_packed_matmul` pick an implementation (`select_impl`): on GPU the
+Mosaic kernel on Hopper (sm_90) and the Triton kernel elsewhere (`impl="auto"`), the plain jnp
+reference on other backends. A `FragmentWeight` goes to the Mosaic kernel (or, with 'reference',
+to the grouped reference of its unpacked weight); a `QuantizedArray` to the Triton kernel. The
 choice is logged once per (function, implementation).
 
 The rollout engine calls only `grouped_packed_matmul`: it packs the routed experts alone, and
@@ -26,12 +30,14 @@ from absl import logging
 
 # Modules, not functions: binding `fp4_matmul` here would shadow the submodule of that name.
 from pallas_kernels import fp4_matmul as dense
+from pallas_kernels import fp4_mosaic as mosaic
 from pallas_kernels import grouped_fp4_matmul as grouped
 from trace_jax import fp4
 
-Impl = Literal["auto", "pallas", "reference"]
+Impl = Literal["auto", "pallas", "mosaic", "reference"]
+IMPLS = ("auto", "pallas", "mosaic", "reference")
 
-__all__ = ["grouped_packed_matmul", "packed_matmul", "select_impl"]
+__all__ = ["grouped_packed_matmul", "packed_matmul", "select_impl", "is_hopper"]
 
 
 @functools.cache
@@ -39,14 +45,23 @@ def _log_selection(op: str, impl: str, backend: str):
   logging.info("%s: using the %s implementation (backend %s).", op, impl, backend)
 
 
+def is_hopper() -> bool:
+  """Whether the default device is an sm_90 GPU (H100 / H200): the Mosaic kernel's wgmma."""
+  device = jax.devices()[0]
+  return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
 def select_impl(impl: Impl, op: str = "packed_matmul") -> str:
-  """'pallas' or 'reference' for `impl`; 'auto' means Pallas on GPU only."""
-  if impl not in ("auto", "pallas", "reference"):
-    raise ValueError(f"{op}: impl must be 'auto', 'pallas' or 'reference', got {impl!r}.")
+  """'mosaic', 'pallas' (Triton) or 'reference' for `impl`; 'auto': the Mosaic kernel on Hopper, the
+  Triton one on other GPUs, the reference elsewhere. (Callers whose weights the Mosaic kernel cannot
+  take, see `fp4_mosaic.supports`, fall back to the Triton kernel.)"""
+  if impl not in IMPLS:
+    raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}.")
   backend = jax.default_backend()
-  chosen = ("pallas" if backend == "gpu" else "reference") if impl == "auto" else impl
-  _log_selection(op, chosen, backend)
-  return chosen
+  if impl == "auto":
+    impl = ("mosaic" if is_hopper() else "pallas") if backend == "gpu" else "reference"
+  _log_selection(op, impl, backend)
+  return impl
 
 
 def packed_matmul(
@@ -69,7 +84,7 @@ def packed_matmul(
   out_dtype = x.dtype if out_dtype is None else out_dtype
   rows = x.reshape(-1, x.shape[-1])
   common = dict(quantize_activations=quantize_activations, activation_format=activation_format, out_dtype=out_dtype)
-  if select_impl(impl, op) == "pallas":
+  if select_impl(impl, op) != "reference":  # the Triton kernel (a QuantizedArray)
     out = dense.fp4_matmul(rows, w, **common, **kernel_options)
   else:
     out = dense.fp4_matmul_reference(rows, w, **common)
@@ -79,7 +94,7 @@ def packed_matmul(
 def grouped_packed_matmul(
   x: jax.Array,
   group_sizes: jax.Array,
-  w: fp4.QuantizedArray,
+  w: fp4.QuantizedArray | mosaic.FragmentWeight,
   *,
   impl: Impl = "auto",
   quantize_activations: bool = False,
@@ -90,10 +105,22 @@ def grouped_packed_matmul(
   """Expert-grouped x[M, K] (rows sorted by expert, group_sizes[E]) against packed w [E, N, K] -> [M, N].
 
   Rows past sum(group_sizes) are zero. Options as in `packed_matmul`.
+
+  A `FragmentWeight` (`fp4_mosaic.pack_fragments` of NVFP4 experts) runs the Mosaic kernel ('auto',
+  'mosaic' or 'pallas'; bf16 x: it does not quantize activations) or the reference of its unpacked
+  weight ('reference', or 'auto' off GPU); a `QuantizedArray` the Triton kernel ('pallas', or 'auto'
+  and 'mosaic' on GPU: its format and shapes may be ones the Mosaic kernel does not take).
   """
   op = "grouped_packed_matmul"
   out_dtype = x.dtype if out_dtype is None else out_dtype
   common = dict(quantize_activations=quantize_activations, activation_format=activation_format, out_dtype=out_dtype)
-  if select_impl(impl, op) == "pallas":
+  chosen = select_impl(impl, op)
+  if isinstance(w, mosaic.FragmentWeight):
+    if chosen == "reference":
+      return grouped.grouped_fp4_matmul_reference(x, group_sizes, mosaic.unpack_fragments(w), **common)
+    if quantize_activations:
+      raise ValueError(f"{op}: the Mosaic kernel takes bf16 activations; quantize them before the call.")
+    return mosaic.grouped_fp4_matmul_mosaic(x, group_sizes, w, out_dtype=out_dtype, **kernel_options)
+  if chosen != "reference":
     return grouped.grouped_fp4_matmul(x, group_sizes, w, **common, **kernel_options)
   return grouped.grouped_fp4_matmul_reference(x, group_sizes, w, **common)

@@ -101,6 +101,15 @@ class FragmentWeight:
     return self.words[..., 8, :]
 
 
+def unsupported(fmt: str, n: int, k: int) -> str | None:
+  """Why the kernel cannot take an [N, K] weight in format `fmt`, or None."""
+  if fmt != "nvfp4":
+    return f"the Mosaic FP4 kernel takes NVFP4 weights, not {fmt}"
+  if n % ROWS or k % SCALE_GROUP_K:
+    return f"the Mosaic FP4 kernel needs N a multiple of {ROWS} and K of {SCALE_GROUP_K}, got [{n}, {k}]"
+  return None
+
+
 def check_shape(n: int, k: int, what: str = "weight"):
   if n % ROWS or k % SCALE_GROUP_K:
     raise ValueError(
@@ -207,6 +216,45 @@ def _pack_one(w: fp4.QuantizedArray) -> FragmentWeight:
   codes = jax.lax.bitcast_convert_type(word, jnp.int32).reshape(n // ROWS, k // SCALE_GROUP_K, 8, THREADS)
   words = jnp.concatenate([codes, _scale_order(u, n, k)[:, :, None]], axis=2)
   return FragmentWeight(words, tensor_scale)
+
+
+@jax.jit
+def unpack_fragments(w: FragmentWeight) -> fp4.QuantizedArray:
+  """The NVFP4 `QuantizedArray` [(E,) N, K] that `pack_fragments` packed into `w` (jnp, any backend):
+  the same values (a block whose scale was negative comes back with a positive scale and flipped code
+  signs, one whose scale was zero with codes +0), bit-identical codes and scales otherwise. What the
+  kernel's jnp reference multiplies (`pallas_kernels.grouped_packed_matmul(impl='reference')`)."""
+  if w.words.ndim == 5:
+    ts = w.tensor_scale
+    one = lambda words: _unpack_one(FragmentWeight(words, None))
+    q = jax.vmap(one)(w.words)
+    return fp4.QuantizedArray(q.codes, q.scales, None if ts is None else ts.reshape(-1, 1, 1), q.fmt)
+  return _unpack_one(w)
+
+
+def _unpack_one(w: FragmentWeight) -> fp4.QuantizedArray:
+  n, k = w.shape
+  word = jax.lax.bitcast_convert_type(w.codes, jnp.uint32)  # [N/64, K/64, 128, 4 chunks]
+  nibbles = jnp.zeros((*word.shape, 4, 2), jnp.uint32)  # [..., o, e]
+  for o in range(4):
+    for e in range(2):
+      code = sum(
+        ((word >> _bit_positions(o, e)[name]) & 1) << bit for name, bit in (("m", 0), ("e0", 1), ("e1", 2), ("s", 3))
+      )
+      nibbles = nibbles.at[..., o, e].set(code)
+  # [i, kg, (w, rl, c), j, (ol, oh), e] -> [N, K], the inverse of _fragment_order
+  codes = nibbles.reshape(n // ROWS, k // GROUP_K, 4, 8, 4, 4, 2, 2, 2).transpose(0, 2, 7, 3, 1, 5, 6, 4, 8)
+  codes = fp4.pack_nibbles(codes.reshape(n, k))
+  # the inverse of _scale_order: words [i, K/128, (quad, g, h)] -> UE5M3 bytes [N, K/16]
+  s = jax.lax.bitcast_convert_type(w.scales, jnp.uint32).reshape(n // ROWS, k // SCALE_GROUP_K, QUADS, 2, 2)
+  s = s.transpose(0, 1, 3, 2, 4).reshape(n // ROWS, k // GROUP_K, QUADS, 2)  # [i, kg, quad, h]
+  r_even, r_odd = (s >> 4) & 0xFF, (s >> 20) & 0xFF
+  r8_even, r8_odd = (s & 0xF) << 4 | (s >> 28) & 0xF, ((s >> 16) & 0xF) << 4 | (s >> 12) & 0xF
+  u = jnp.stack([jnp.stack([r_even, r_odd], -1), jnp.stack([r8_even, r8_odd], -1)], -2)  # [i, kg, quad, h, oh, jj]
+  u = u.reshape(n // ROWS, k // GROUP_K, 4, 8, 2, 2, 2).transpose(0, 2, 5, 3, 1, 4, 6).reshape(n, k // CHUNK)
+  bf16 = jax.lax.bitcast_convert_type((SCALE_BIAS_BITS | u << 4).astype(jnp.uint16), jnp.bfloat16)
+  scales = (bf16.astype(jnp.float32) * 2.0**-SCALE_EXPONENT).astype(jnp.float8_e4m3fn)  # exact; a zero block's: 0
+  return fp4.QuantizedArray(codes, scales, w.tensor_scale, fp4.NVFP4)
 
 
 # --- the register decode, instruction by instruction (numpy, for tests; the kernel's PTX below) --

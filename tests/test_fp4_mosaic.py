@@ -102,6 +102,19 @@ def test_every_e4m3_scale_byte():
   scale_bytes = np.tile(np.arange(256), 8).reshape(n, k // 16)
   w = _weight(codes, scale_bytes)
   _assert_same(fm.decode_fragments_numpy(fm.pack_fragments(w)), _expected(w))
+  _assert_unpacks(w)
+
+
+def _assert_unpacks(w: fp4.QuantizedArray):
+  """unpack_fragments(pack_fragments(w)): w's values; w's code and scale bytes wherever its scale is positive."""
+  back = fm.unpack_fragments(fm.pack_fragments(w))
+  _assert_same(np.asarray(fp4.dequantize(back), np.float64), np.asarray(fp4.dequantize(w), np.float64))
+  positive = np.asarray(w.scales.astype(jnp.float32) > 0)
+  np.testing.assert_array_equal(
+    np.asarray(back.scales).view(np.uint8)[positive], np.asarray(w.scales).view(np.uint8)[positive]
+  )
+  blocks = lambda q: np.asarray(fp4.to_blocks(fp4.unpack_nibbles(q.codes), q.fmt))
+  np.testing.assert_array_equal(blocks(back)[positive], blocks(w)[positive])
 
 
 def test_ue5m3_is_the_scale_times_2_119():
@@ -136,6 +149,7 @@ def test_packed_weights_decode_to_dequantize(seed, shape, log2_range):
   scale_bytes[rng.integers(n), rng.integers(k // 16)] |= 0x80
   w = _weight(np.asarray(fp4.unpack_nibbles(q.codes)), scale_bytes)
   _assert_same(fm.decode_fragments_numpy(fm.pack_fragments(w)), _expected(w))
+  _assert_unpacks(w)
 
 
 def test_tensor_scale_is_carried():
@@ -213,6 +227,8 @@ def test_stacked_experts_pack_one_by_one():
     one = fm.pack_fragments(fp4.QuantizedArray(w.codes[e], w.scales[e], w.tensor_scale[e], w.fmt))
     np.testing.assert_array_equal(np.asarray(packed.words[e]), np.asarray(one.words))
     assert float(packed.tensor_scale[e]) == float(one.tensor_scale)
+  back = fm.unpack_fragments(packed)
+  np.testing.assert_array_equal(np.asarray(fp4.dequantize(back)), np.asarray(fp4.dequantize(w)))
 
 
 def _experts(rng, e, n, k, per_expert_scale):

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
+import pallas_kernels
 from tests.test_fp4 import torchao_ref
 from tests.tiny import tiny_model
-from trace_jax import experience, fp4, model, qat, quantizer, rollout
+from trace_jax import cluster, experience, fp4, model, qat, quantizer, rollout
 from trace_jax.config import (
   KEY,
   MOE_INPUT,
@@ -30,6 +31,7 @@ from trace_jax.config import (
   deeper_layers,
 )
 from trace_jax.experience import RolloutResult, TrainBatch, guidance_bytes_per_token
+from trace_jax.expert_parallel import ExpertParallel
 from trace_jax.trainer import quant_metrics
 
 # initializer_range 3x HF's default: larger activations make the FP4 mismatch visible
@@ -618,3 +620,103 @@ def test_grouped_matmul_equal_groups_use_the_packed_path(impl):
   assert out.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected), rtol=2**-7, atol=1e-2)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(rollout.grouped_matmul(x, w, jnp.full(4, 6), impl)))
+
+
+# --- the Mosaic kernel's layout (fragments), wired through the engine -----------------------------
+
+MOSAIC_CFG = tiny_model(hidden_size=128, moe_intermediate_size=128, initializer_range=0.06)  # N % 64, K % 128
+
+
+def _with_kernels_as_references(monkeypatch) -> list[str]:
+  """The GPU engine's path on CPU: Hopper reported, both FP4 kernels replaced by their jnp references
+  (the Mosaic one on its weight unpacked). Returns the names of the kernels called (at trace time)."""
+  from pallas_kernels import fp4_mosaic, grouped_fp4_matmul
+
+  calls = []
+
+  def mosaic_kernel(x, group_sizes, w, *, out_dtype, **_):
+    calls.append("mosaic")
+    unpacked = fp4_mosaic.unpack_fragments(w)
+    return grouped_fp4_matmul.grouped_fp4_matmul_reference(x, group_sizes, unpacked, out_dtype=out_dtype)
+
+  def triton_kernel(x, group_sizes, w, **options):
+    calls.append("triton")
+    return grouped_fp4_matmul.grouped_fp4_matmul_reference(x, group_sizes, w, **options)
+
+  monkeypatch.setattr(pallas_kernels, "is_hopper", lambda: True)
+  monkeypatch.setattr(fp4_mosaic, "grouped_fp4_matmul_mosaic", mosaic_kernel)
+  monkeypatch.setattr(grouped_fp4_matmul, "grouped_fp4_matmul", triton_kernel)
+  return calls
+
+
+def test_engine_runs_the_mosaic_fragments_like_the_codes(monkeypatch):
+  # matmul_impl='mosaic' repacks the experts as wgmma fragments inside generate (the expert-parallel
+  # exchange included) and samples exactly what the codes layout (the Triton kernel's) samples.
+  calls = _with_kernels_as_references(monkeypatch)
+  params = jax.jit(model.init_params, static_argnums=0)(MOSAIC_CFG, jax.random.key(0))
+  engine = rollout.weight_sync(params, QUANT)
+  tokens = jax.random.randint(jax.random.key(1), (2, P), 3, MOSAIC_CFG.vocab_size)
+  mask = jnp.ones_like(tokens)
+  single = ExpertParallel(cluster.Topology.single_device().rollout, capacity_factor=1.0)
+
+  def run(impl, expert_parallel=None):
+    config = dataclasses.replace(FP4_FULL, quant=dataclasses.replace(QUANT, matmul_impl=impl), guided_layers=(0, 1))
+    assert rollout.expert_layout(config, MOSAIC_CFG) == {"mosaic": "fragments", "pallas": "codes"}[impl]
+    return rollout.generate(
+      engine,
+      tokens,
+      mask,
+      jax.random.key(5),
+      model_config=MOSAIC_CFG,
+      rollout_config=config,
+      sampling=SAMPLE,
+      seq_ids=jnp.arange(2),
+      expert_parallel=expert_parallel,
+    )
+
+  codes = run("pallas")
+  assert set(calls) == {"triton"}
+  calls.clear()
+  for expert_parallel in (None, single):
+    fragments = run("mosaic", expert_parallel)
+    assert set(calls) == {"mosaic"}
+    calls.clear()
+    for name in ("tokens", "logprobs", "topk_ids", "codes"):
+      for a, b in zip(
+        jax.tree_util.tree_leaves(getattr(codes, name)), jax.tree_util.tree_leaves(getattr(fragments, name))
+      ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+def test_expert_layout_follows_the_device_and_the_weights(monkeypatch):
+  layout = lambda impl, model_config=MOSAIC_CFG, **quant: rollout.expert_layout(
+    dataclasses.replace(FP4_FULL, quant=dataclasses.replace(QUANT, matmul_impl=impl, **quant)), model_config
+  )
+  assert layout("auto") == layout("reference") == "values"  # CPU: no FP4 arithmetic, experts decoded once
+  assert layout("pallas") == "codes"
+  with pytest.raises(ConfigError, match=r"config\.quant\.matmul_impl = 'mosaic': .*sm_90"):
+    layout("mosaic")
+  monkeypatch.setattr(pallas_kernels, "is_hopper", lambda: True)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert layout("auto") == layout("mosaic") == "fragments"
+  assert layout("auto", fmt="mxfp4") == layout("auto", CFG) == layout("pallas") == "codes"  # auto falls back
+  with pytest.raises(ConfigError, match=r"config\.quant\.matmul_impl = 'mosaic': .*NVFP4"):
+    layout("mosaic", fmt="mxfp4")
+  with pytest.raises(ConfigError, match=r"N a multiple of 64"):
+    layout("mosaic", CFG)  # hidden 64, experts of 32
+  monkeypatch.setattr(pallas_kernels, "is_hopper", lambda: False)
+  assert layout("auto") == "codes"  # another GPU: the Triton kernel
+
+
+def test_grouped_packed_matmul_takes_fragments():
+  # A FragmentWeight's reference is the grouped reference of the weight it packs.
+  from pallas_kernels import fp4_mosaic, grouped_fp4_matmul
+
+  rng = np.random.default_rng(0)
+  w = fp4.quantize(jnp.asarray(rng.standard_normal((3, 64, 128)), jnp.float32), "nvfp4")
+  x = jnp.asarray(rng.standard_normal((7, 128)), jnp.bfloat16)
+  sizes = jnp.asarray([2, 0, 4])
+  got = pallas_kernels.grouped_packed_matmul(x, sizes, fp4_mosaic.pack_fragments(w), impl="reference")
+  want = grouped_fp4_matmul.grouped_fp4_matmul_reference(x, sizes, w, out_dtype=jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert np.all(np.asarray(got[6]) == 0) and np.any(np.asarray(got[:6]) != 0)

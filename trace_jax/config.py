@@ -195,7 +195,7 @@ QUANT_TARGETS = ("experts", "kv", "attention", "dense_mlp", "shared_expert", "li
 MOE_INPUT, MOE_HIDDEN, KEY, VALUE = "moe_input", "moe_hidden", "key", "value"
 GUIDED_TENSORS = (MOE_INPUT, MOE_HIDDEN, KEY, VALUE)
 
-MATMUL_IMPLS = ("auto", "pallas", "reference")
+MATMUL_IMPLS = ("auto", "pallas", "mosaic", "reference")
 TENSOR_SCALES = ("none", "batch_amax")
 
 
@@ -208,8 +208,10 @@ class QuantConfig:
   Gated DeltaNet layers of a hybrid keep an fp32 recurrent state); `linear_attention` = the Gated
   DeltaNet input and output projections (BF16 unless listed, as the paper keeps them).
   weights / activations: W4 and A4 switches (qat_w4a16 = weights only).
-  matmul_impl: how the engine's packed FP4 matmuls run: 'auto' (the Pallas kernel on GPU, its
-  jnp reference elsewhere), 'pallas' or 'reference'.
+  matmul_impl: how the engine's packed FP4 matmuls run: 'auto' (on Hopper the Mosaic GPU kernel
+  where it applies, NVFP4 experts with N a multiple of 64 and K of 128, else the Pallas-Triton
+  kernel; on other GPUs the Triton kernel; elsewhere their jnp reference), 'mosaic' (an error where
+  it does not apply), 'pallas' (Triton) or 'reference'.
   tensor_scale: NVFP4's second-level FP32 scale on activations and K/V (weights stay single-level).
   'none': E4M3 block scales only. 'batch_amax': amax / (448 * 6) of the tensor in the current
   batch, as engines compute it: the engine's per forward call (prefill, each decode step), shipped

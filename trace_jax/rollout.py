@@ -7,8 +7,11 @@ activations quantized online with RTN (NVFP4 optionally two-level, the tensor sc
 call's batch), an FP4 KV cache (packed codes + scales per token and head) and decode attention
 over the cached K/V with its own fp32 softmax.
 
-Where FP4 values are used. With the Pallas kernel (GPU) the packed experts are decoded inside
-the grouped matmul and the KV cache is decoded where attention reads it. Where there is no FP4
+Where FP4 values are used. With a Pallas kernel (GPU) the packed experts are decoded inside
+the grouped matmul and the KV cache is decoded where attention reads it. On Hopper the experts
+are repacked once per `generate` (once per weight sync) as the Mosaic kernel's wgmma fragments
+(`expert_layout`, `pack_fragments_once`; pallas_kernels/fp4_mosaic.py), elsewhere the Triton
+kernel reads the codes and scales as stored. Where there is no FP4
 arithmetic (`pallas_kernels.select_impl` gives 'reference': CPU, or matmul_impl='reference'),
 FP4 storage is decoded once instead of at every use: the experts once per `generate` (once per
 weight sync) and each K/V slot once, when it is written, into a cache of its decoded values kept
@@ -53,19 +56,25 @@ from trace_jax.sharding import param_field
 # --- parameters and weight sync -----------------------------------------------------------
 
 
+# Routed experts [E, N, K] as the engine holds them: codes + scales (weight sync), the Mosaic
+# kernel's fragments (repacked inside `generate` on Hopper) or values (decoded, or the BF16 engine).
+PackedExperts = fp4.QuantizedArray | pallas_kernels.mosaic.FragmentWeight | jax.Array
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class EngineMoE:
   """Routed experts in the engine layout [E, N, K] (rows = outputs, blocks along K).
 
   gate/up: [E, I, H] and down: [E, H, I], as fp4.QuantizedArray (FP4 engine) or bf16 (the BF16
-  engine, and FP4 experts decoded once where there is no FP4 matmul: see `decode_once`).
+  engine). Inside `generate` FP4 experts may change form (`expert_layout`): decoded once where
+  there is no FP4 matmul, repacked as the Mosaic kernel's fragments on Hopper.
   """
 
   router: jax.Array = param_field("embed", None)
-  gate: fp4.QuantizedArray | jax.Array = param_field("experts", "mlp", "embed")
-  up: fp4.QuantizedArray | jax.Array = param_field("experts", "mlp", "embed")
-  down: fp4.QuantizedArray | jax.Array = param_field("experts", "embed", "mlp")
+  gate: PackedExperts = param_field("experts", "mlp", "embed")
+  up: PackedExperts = param_field("experts", "mlp", "embed")
+  down: PackedExperts = param_field("experts", "embed", "mlp")
   shared: MLPParams | None = None
   shared_gate: jax.Array | None = param_field("embed", None, default=None)
 
@@ -129,16 +138,17 @@ def weight_sync(params: Params, quant: QuantConfig | None, dtype=jnp.bfloat16) -
 # --- the packed-weight matmul (one entry point; the Pallas kernel plugs in here) ----------
 
 
-def grouped_matmul(x: jax.Array, w: fp4.QuantizedArray | jax.Array, group_sizes: jax.Array | None, impl: str = "auto"):
+def grouped_matmul(x: jax.Array, w: PackedExperts, group_sizes: jax.Array | None, impl: str = "auto"):
   """x [M, K] (rows sorted by group) times w[g] [N, K]^T -> [M, N] in x's dtype, fp32 accumulation.
   group_sizes=None: every group has M / E rows (expert parallel's dense exchange).
 
-  Packed FP4 weights go through `pallas_kernels.grouped_packed_matmul`, the equal groups of the
-  expert-parallel exchange included (never decoded to memory first): the Pallas kernel on GPU with
-  impl='auto' (logged once), its jnp reference elsewhere. Decoded weights go through
-  `moe.grouped_dot` (batched matmuls over row tiles on CPU, `lax.ragged_dot` elsewhere).
+  Packed FP4 weights (codes or fragments, see `expert_layout`) go through
+  `pallas_kernels.grouped_packed_matmul`, the equal groups of the expert-parallel exchange included
+  (never decoded to memory first): a Pallas kernel on GPU with impl='auto' (logged once), its jnp
+  reference elsewhere. Decoded weights go through `moe.grouped_dot` (batched matmuls over row
+  tiles on CPU, `lax.ragged_dot` elsewhere).
   """
-  if isinstance(w, fp4.QuantizedArray):
+  if isinstance(w, (fp4.QuantizedArray, pallas_kernels.mosaic.FragmentWeight)):
     if group_sizes is None:
       group_sizes = jnp.full((w.shape[0],), x.shape[0] // w.shape[0], jnp.int32)
     return pallas_kernels.grouped_packed_matmul(x, group_sizes, w, impl=impl)
@@ -156,6 +166,55 @@ def _decoded(w: fp4.QuantizedArray, dtype) -> jax.Array:
 def decodes_once(rollout_config: RolloutConfig) -> bool:
   """Whether FP4 storage is decoded once (no FP4 arithmetic on this backend) or at every use."""
   return pallas_kernels.select_impl(rollout_config.matmul_impl, "rollout.generate") == "reference"
+
+
+EXPERT_LAYOUTS_DOC = {
+  "values": "decoded once per generate: no FP4 matmul on this backend",
+  "codes": "codes and scales as weight sync stores them: the Pallas-Triton kernel",
+  "fragments": "repacked once per generate as wgmma fragments: the Mosaic GPU kernel",
+}
+
+
+def expert_layout(rollout_config: RolloutConfig, model_config: ModelConfig) -> str:
+  """How `generate` holds the packed routed experts: 'values' (decoded once: no FP4 arithmetic on
+  this backend), 'codes' (the `QuantizedArray`s of weight sync: the Triton kernel) or 'fragments'
+  (`FragmentWeight`s: the Mosaic kernel, Hopper, NVFP4, N a multiple of 64 and K of 128; with
+  matmul_impl='auto' other cases fall back to 'codes', with 'mosaic' they are an error)."""
+  impl = pallas_kernels.select_impl(rollout_config.matmul_impl, "rollout.generate")
+  if impl == "reference":
+    return "values"
+  if impl != "mosaic":
+    return "codes"
+  quant, h, i = rollout_config.quant, model_config.hidden_size, model_config.moe_intermediate_size
+  if not pallas_kernels.is_hopper():
+    why = f"the Mosaic kernel needs an sm_90 GPU (H100 / H200); this device is {jax.devices()[0].device_kind}"
+  elif quant is None or not (quant.quantizes("experts") and quant.weights) or not model_config.num_experts:
+    why = "there are no FP4 routed experts"
+  else:
+    why = pallas_kernels.mosaic.unsupported(quant.format.name, i, h) or pallas_kernels.mosaic.unsupported(
+      quant.format.name, h, i
+    )
+  if why is None:
+    return "fragments"
+  if rollout_config.matmul_impl == "mosaic":
+    raise ConfigError(f"config.quant.matmul_impl = 'mosaic': {why}. Use 'auto' or 'pallas'.")
+  return "codes"
+
+
+def pack_fragments_once(params: EngineParams) -> EngineParams:
+  """The engine's params with the packed routed experts as the Mosaic kernel's `FragmentWeight`s
+  (a permutation of the same codes and scales: the same values, 4.5 bits per weight)."""
+
+  def pack(w):
+    return pallas_kernels.mosaic.pack_fragments(w) if isinstance(w, fp4.QuantizedArray) else w
+
+  def layer_(layer: LayerParams):
+    if not isinstance(layer.mlp, EngineMoE):
+      return layer
+    m = layer.mlp
+    return dataclasses.replace(layer, mlp=dataclasses.replace(m, gate=pack(m.gate), up=pack(m.up), down=pack(m.down)))
+
+  return dataclasses.replace(params, layers=tuple(layer_(layer) for layer in params.layers))
 
 
 def decode_once(params: EngineParams, dtype) -> EngineParams:
@@ -594,10 +653,12 @@ def generate(
   prompt_positions = attention.positions_from_mask(prompt_mask)
   prompt_len = jnp.sum(prompt_mask, axis=1)
 
-  once = decodes_once(rollout_config)
-  if once:
+  layout = expert_layout(rollout_config, model_config)
+  if layout == "values":
     params = decode_once(params, st.dtype)
-  caches = init_cache(model_config, b, total, rollout_config.quant, st.dtype, decoded=once)
+  elif layout == "fragments":
+    params = pack_fragments_once(params)
+  caches = init_cache(model_config, b, total, rollout_config.quant, st.dtype, decoded=decodes_once(rollout_config))
   buffers = _record_buffers(st, b, total)
   topk_buf = tuple(
     jnp.zeros((b, total, model_config.num_experts_per_tok), jnp.int32) if model_config.is_moe_layer(i) else None
