@@ -91,6 +91,7 @@ TEST_CASES = [
   Case("mosaic_fp4", 64 * 8, 1536, 2048, experts=128, tokens=64, label="mosaic_grouped"),
   Case("mosaic_fp4", 12, 256, 1024, label="mosaic_fp4_m12"),  # M > 8, not a multiple of 8: x padded
   Case("mosaic_fp4", 20, 128, 256, experts=6, tokens=10, label="mosaic_grouped_small"),
+  Case("engine", 64, 2048, 768, experts=128, tokens=64, label="engine_step"),
 ]
 
 
@@ -108,7 +109,8 @@ def cases(which: str) -> list[Case]:
   out += [Case("mosaic_fp4", m, 8192, 8192) for m in (1, 8, 16, 64)]
   for tokens in (64, 256):
     out += [Case("mosaic_fp4", tokens * 8, n, k, 128, tokens) for n, k in ((1536, 2048), (2048, 768))]
-  return out + [Case("mosaic_int8", m, 8192, 8192, fmt="int8") for m in (16, 64)]
+  out += [Case("mosaic_int8", m, 8192, 8192, fmt="int8") for m in (16, 64)]
+  return out + [Case("engine", 64, 2048, 768, experts=128, tokens=64)]
 
 
 def _weight(case: Case):
@@ -173,7 +175,53 @@ def _mosaic_int8_matmul(case: Case):
   return functools.partial(mixed.mixed_matmul_kernel, out_dtype=jnp.bfloat16, config=config), tiles
 
 
+ENGINE_LAYERS = 2
+
+
+def _engine_row(case: Case) -> dict:
+  """One decode step of the rollout engine (`rollout.decode_step`, `case.tokens` sequences, a 1024-slot
+  FP4 KV cache) on a Qwen3-30B-A3B-shaped model of ENGINE_LAYERS layers (hidden n, 128 experts of
+  moe_intermediate k, top-8) with NVFP4 experts in the Mosaic kernel's layout, as `generate` runs it on
+  Hopper: the launches per step, and the Mosaic GPU calls among them (3 per MoE layer: gate, up, down)."""
+  from trace_jax import model, rollout
+  from trace_jax.config import ModelConfig, QuantConfig, RolloutConfig
+
+  cfg = ModelConfig(
+    vocab_size=4096,
+    hidden_size=case.n,
+    num_layers=ENGINE_LAYERS,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    num_experts=case.experts,
+    num_experts_per_tok=8,
+    moe_intermediate_size=case.k,
+  )
+  quant = QuantConfig(matmul_impl="mosaic")
+  config = RolloutConfig(quant=quant)
+  params = jax.eval_shape(
+    lambda: rollout.pack_fragments_once(rollout.weight_sync(model.init_params(cfg, jax.random.key(0)), quant))
+  )
+  b, slots = case.tokens, 1024
+  caches = jax.eval_shape(lambda: rollout.init_cache(cfg, b, slots, quant, jnp.bfloat16, decoded=False))
+  step = functools.partial(rollout.decode_step, model_config=cfg, rollout_config=config)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  program = gpu_compile.compile_for_h200(
+    step, params, i32(b, 1), caches, i32(), i32(b, 1), i32(b, slots), kernel_names=("",)
+  )
+  names = [launch.name for launch in program.launches]
+  return dict(
+    **dataclasses.asdict(case),
+    layers=ENGINE_LAYERS,
+    launches=len(names),
+    launch_names=names,
+    mosaic_calls=names.count("kCustomCall"),
+  )
+
+
 def report_row(case: Case) -> dict:
+  if case.kind == "engine":
+    return _engine_row(case)
   if case.kind == "mosaic_int8":
     return _mosaic_int8_row(case)
   if case.kind == "mosaic_fp4":
@@ -270,7 +318,10 @@ def markdown(rows: list[dict]) -> str:
     "| instr./weight | issue / memory time | predicted vs bf16 |\n|" + "---|" * 12
   )
   lines = [head]
+  engine = [r for r in rows if r["kind"] == "engine"]
   for r in rows:
+    if r["kind"] == "engine":
+      continue
     t = r["tiles"]
     shape = f"M={r['m']} N={r['n']} K={r['k']}"
     if r["experts"]:
@@ -282,6 +333,11 @@ def markdown(rows: list[dict]) -> str:
       f"{r['loop_mmas']} | {r['instructions_per_weight']} | {roof['issue']:.1f} / {roof['memory']:.1f} us | "
       f"{r['predicted_speedup']}x |"
     )
+  if engine:
+    lines += ["", "| engine decode step | launches | Mosaic GPU calls |", "|---|---|---|"]
+    for r in engine:
+      shape = f"{r['tokens']} seq, {r['layers']} layers, hidden {r['n']}, {r['experts']} experts of {r['k']}, top-8"
+      lines.append(f"| {shape} | {r['launches']} | {r['mosaic_calls']} |")
   return "\n".join(lines) + "\n"
 
 
@@ -297,6 +353,11 @@ def main(argv=None):
   for case in cases("smoke" if args.smoke else args.cases):
     rows.append(report_row(case))
     r = rows[-1]
+    if r["kind"] == "engine":
+      print(
+        f"engine step, {r['tokens']} seq x {r['layers']} layers: launches {r['launches']}, Mosaic calls {r['mosaic_calls']}"
+      )
+      continue
     print(
       f"{r['kind']:8s} M={r['m']:5d} N={r['n']:5d} K={r['k']:5d} ptx={int(r['ptx_decode'])}: launches {r['launches']}, "
       f"regs {r['registers']}, spills {r['spill_bytes']}, {r['instructions_per_weight']} instr/weight, "
