@@ -23,7 +23,10 @@ The roofline (an estimate, not a measurement; the GPU check measures):
   issue    weights streamed x instructions per weight / 32 lanes / (132 SMs x 4 schedulers x
            1.98 GHz): one warp instruction per scheduler per clock, the best case
   launch   2 us per launch (kernel launch and gap in a CUDA graph)
-  kernel time = max(memory, issue) + launches x 2 us; bf16 time = its weight bytes / 4.8 TB/s + 2 us
+  L2       (weights streamed + x read by every block) / 7 TB/s: every block reads its x tiles
+           through L2, once per weight tile it streams, shared by a cluster (fp4_mosaic's TMA
+           multicast); 7 TB/s is an assumption (published H100 L2 microbenchmarks), not a measurement
+  kernel time = max(memory, issue, L2) + launches x 2 us; bf16 time = its weight bytes / 4.8 TB/s + 2 us
   (the dense bf16 matmul at the roofline; grouped: the experts that got rows, once each);
   "predicted vs bf16" = bf16 time / kernel time. The grouped_bf16 rows (the benchmark's baseline,
   the same kernel on bf16 weights) are included for their instruction counts: their figure is how
@@ -58,6 +61,7 @@ from pallas_kernels import grouped_fp4_matmul as grouped  # noqa: E402
 from trace_jax import fp4  # noqa: E402
 
 HBM = 4.8e12
+L2 = 7e12  # assumed L2 -> SM bandwidth (published H100 microbenchmarks: 5.5-7+ TB/s); not measured here
 ISSUE = 132 * 4 * 1.98e9  # warp instructions per second, whole chip
 LAUNCH_S = 2e-6
 BUDGET = 2.5  # the issue's goal, instructions per weight
@@ -88,6 +92,7 @@ TEST_CASES = [
   Case("mosaic_int8", 16, 8192, 8192, fmt="int8", label="mosaic_int8"),
   Case("mosaic_fp4", 1, 8192, 8192, label="mosaic_fp4_m1"),
   Case("mosaic_fp4", 16, 8192, 8192, label="mosaic_fp4"),
+  Case("mosaic_fp4", 64, 8192, 8192, label="mosaic_fp4_m64"),
   Case("mosaic_fp4", 64 * 8, 1536, 2048, experts=128, tokens=64, label="mosaic_grouped"),
   Case("mosaic_fp4", 12, 256, 1024, label="mosaic_fp4_m12"),  # M > 8, not a multiple of 8: x padded
   Case("mosaic_fp4", 20, 128, 256, experts=6, tokens=10, label="mosaic_grouped_small"),
@@ -148,6 +153,8 @@ class MosaicTiles:
   block_k: int
   k_splits: int = 1
   num_warps: int = 4
+  cluster: int = 1  # blocks that share one copy of each x tile (TMA multicast)
+  slots: int = 0  # pipeline slots (fp4_mosaic)
 
 
 def _mosaic_int8_matmul(case: Case):
@@ -268,16 +275,18 @@ def _mosaic_fp4_row(case: Case) -> dict:
   w = jax.eval_shape(mosaic.pack_fragments, _weight(case))
   x = jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16)
   if case.experts:
-    t = mosaic.default_grouped_tiles(case.m, case.experts, case.k)
+    t = mosaic.default_grouped_tiles(case.m, case.experts, case.k, case.n)
     sizes = jax.ShapeDtypeStruct((case.experts,), jnp.int32)
     program = gpu_compile.compile_for_h200(functools.partial(mosaic.grouped_fp4_matmul_mosaic, tiles=t), x, sizes, w)
     group_sizes = sampled_group_sizes(case)
     streamed, distinct = int(np.sum(mosaic.passes(group_sizes, t.block_m))), int(np.sum(group_sizes > 0))
   else:
-    t = mosaic.default_tiles(case.m, case.k)
+    t = mosaic.default_tiles(case.m, case.k, case.n)
     program = gpu_compile.compile_for_h200(functools.partial(mosaic.fp4_matmul_mosaic, tiles=t), x, w)
     streamed = distinct = 1
-  tiles = MosaicTiles(block_m=t.block_m, block_n=mosaic.ROWS, block_k=t.block_k)
+  tiles = MosaicTiles(
+    block_m=t.block_m, block_n=mosaic.ROWS, block_k=t.block_k, cluster=t.cluster, slots=t.max_concurrent_steps
+  )
   return _row(case, program, tiles, streamed, distinct, 0, 0.5 + 1 / 16)
 
 
@@ -289,8 +298,11 @@ def _row(case: Case, program, tiles, streamed: int, distinct: int, partial_bytes
   matrix = case.n * case.k
   weights_streamed = streamed * matrix
   kernel_bytes = weights_streamed * bytes_per_weight + case.m * case.k * 2 + case.m * case.n * 2 + partial_bytes
+  # every block reads its x tiles through L2: block_m rows x K per weight tile streamed, once per cluster
+  x_l2_bytes = streamed * (case.n // tiles.block_n) * tiles.block_m * case.k * 2 / getattr(tiles, "cluster", 1)
   t_memory, t_issue = kernel_bytes / HBM, weights_streamed * ipw / 32 / ISSUE
-  t_kernel = max(t_memory, t_issue) + len(program.launches) * LAUNCH_S
+  t_l2 = (weights_streamed * bytes_per_weight + x_l2_bytes) / L2
+  t_kernel = max(t_memory, t_issue, t_l2) + len(program.launches) * LAUNCH_S
   t_bf16 = (distinct * matrix * 2 + case.m * (case.k + case.n) * 2) / HBM + LAUNCH_S
   return dict(
     **dataclasses.asdict(case),
@@ -307,15 +319,18 @@ def _row(case: Case, program, tiles, streamed: int, distinct: int, partial_bytes
     within_budget=ipw <= BUDGET,
     expert_streams=streamed if case.experts else None,
     experts_with_rows=distinct if case.experts else None,
-    roofline_us=dict(memory=t_memory * 1e6, issue=t_issue * 1e6, kernel=t_kernel * 1e6, bf16=t_bf16 * 1e6),
+    x_l2_over_weights=round(x_l2_bytes / (weights_streamed * bytes_per_weight), 2),
+    roofline_us=dict(
+      memory=t_memory * 1e6, issue=t_issue * 1e6, l2=t_l2 * 1e6, kernel=t_kernel * 1e6, bf16=t_bf16 * 1e6
+    ),
     predicted_speedup=round(t_bf16 / t_kernel, 2),
   )
 
 
 def markdown(rows: list[dict]) -> str:
   head = (
-    "| kernel | shape | ptx | tiles (m, n, k, splits) | launches | regs | spills | loop instr. | MMAs "
-    "| instr./weight | issue / memory time | predicted vs bf16 |\n|" + "---|" * 12
+    "| kernel | shape | ptx | tiles (m, n, k, splits, cluster) | launches | regs | spills | loop instr. | MMAs "
+    "| instr./weight | x from L2 / weights | issue / memory / L2 time | predicted vs bf16 |\n|" + "---|" * 13
   )
   lines = [head]
   engine = [r for r in rows if r["kind"] == "engine"]
@@ -329,9 +344,9 @@ def markdown(rows: list[dict]) -> str:
     roof = r["roofline_us"]
     lines.append(
       f"| {r['kind']} | {shape} | {'yes' if r['ptx_decode'] else 'no'} | {t['block_m']}, {t['block_n']}, {t['block_k']}, "
-      f"{t['k_splits']} | {r['launches']} | {r['registers']} | {r['spill_bytes']} | {r['loop_instructions']} | "
-      f"{r['loop_mmas']} | {r['instructions_per_weight']} | {roof['issue']:.1f} / {roof['memory']:.1f} us | "
-      f"{r['predicted_speedup']}x |"
+      f"{t['k_splits']}, {t.get('cluster', 1)} | {r['launches']} | {r['registers']} | {r['spill_bytes']} | "
+      f"{r['loop_instructions']} | {r['loop_mmas']} | {r['instructions_per_weight']} | {r['x_l2_over_weights']} | "
+      f"{roof['issue']:.1f} / {roof['memory']:.1f} / {roof['l2']:.1f} us | {r['predicted_speedup']}x |"
     )
   if engine:
     lines += ["", "| engine decode step | launches | Mosaic GPU calls |", "|---|---|---|"]

@@ -467,26 +467,34 @@ class MosaicTiles:
   block_m: int  # tokens per wgmma (its N): 16..64
   block_k: int  # K per pipeline step (the decoded tile: block_k / 4 registers per thread)
   max_concurrent_steps: int = 4  # pipeline slots
+  cluster: int = 1  # blocks of consecutive 64-row tiles (one expert's) that share each x tile: TMA multicast
 
 
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: the pipeline's slots
+MAX_CLUSTER = 8  # the portable cluster size
 
 
-def default_tiles(m: int, k: int) -> MosaicTiles:
+def default_tiles(m: int, k: int, n: int = 0) -> MosaicTiles:
   """block_m: M rounded up to 16..64 (wgmma's N). block_k: the largest of 512, 384, 256 that divides
-  K (the loop's fixed cost is spread over more weights; 768 spills) while the accumulator is small,
-  256 at block_m = 64 (its 32 registers). As many pipeline slots (up to 4) as fit."""
+  K (the loop's fixed cost is spread over more weights; 768 spills, its 48 wgmmas' descriptors move
+  out of the uniform registers). As many pipeline slots (up to 4) as fit: 2 at block_m = 64.
+  cluster: block_m / 8 blocks share each x tile (a power of two dividing N/64, at most 8), so that x's
+  reads from L2 stay under half the weight bytes (block_m x 2 bytes per K against 64 x 0.5625)."""
   block_m = max(16, min(_next_power_of_2(m), 64))
-  block_k = next(b for b in ((512, 384, 256) if block_m <= 32 else (256,)) + (SCALE_GROUP_K,) if k % b == 0)
+  block_k = next(b for b in (512, 384, 256, SCALE_GROUP_K) if k % b == 0)
   step_bytes = block_m * block_k * 2 + block_k * ROWS * 9 // 16
-  return MosaicTiles(block_m, block_k, max_concurrent_steps=max(1, min(4, SMEM_BUDGET // step_bytes)))
+  slots = max(1, min(4, SMEM_BUDGET // step_bytes))
+  cluster = min(block_m // 8, MAX_CLUSTER)
+  while n and (n // ROWS) % cluster:
+    cluster //= 2
+  return MosaicTiles(block_m, block_k, max_concurrent_steps=slots, cluster=cluster if n else 1)
 
 
-def default_grouped_tiles(m: int, num_experts: int, k: int) -> MosaicTiles:
+def default_grouped_tiles(m: int, num_experts: int, k: int, n: int = 0) -> MosaicTiles:
   """block_m: 16 while the mean group is at most 8 rows, else 32, so that at decode a group longer
   than block_m (which takes another pass, streaming its expert's tile again) is rare: at 256 tokens
-  top-8 of 128 experts the groups are 16 +- 4 rows."""
-  return default_tiles(16 if m <= 8 * num_experts else 32, k)
+  top-8 of 128 experts the groups are 16 +- 4 rows. The cluster spans 64-row tiles of one expert."""
+  return default_tiles(16 if m <= 8 * num_experts else 32, k, n)
 
 
 def passes(group_sizes: np.ndarray, block_m: int) -> np.ndarray:
@@ -511,7 +519,7 @@ def fp4_matmul_mosaic(
   m, k = x.shape
   if len(w.shape) != 2 or k != w.shape[1]:
     raise ValueError(f"fp4_matmul_mosaic: x [M, {k}] does not match the weight {w.shape}.")
-  tiles = tiles or default_tiles(m, k)
+  tiles = tiles or default_tiles(m, k, w.shape[0])
   if m > tiles.block_m:
     raise NotImplementedError(f"fp4_matmul_mosaic: M = {m} above block_m = {tiles.block_m} (decode shapes only).")
   experts = FragmentWeight(w.words[None], None if w.tensor_scale is None else w.tensor_scale.reshape(1))
@@ -541,7 +549,11 @@ def grouped_fp4_matmul_mosaic(
     raise ValueError(
       f"grouped_fp4_matmul_mosaic: x [M, {k}], group_sizes {group_sizes.shape} and experts {w.shape} do not match."
     )
-  tiles = tiles or default_grouped_tiles(m, num_experts, k)
+  tiles = tiles or default_grouped_tiles(m, num_experts, k, n)
+  if (n // ROWS) % tiles.cluster:
+    raise ValueError(
+      f"grouped_fp4_matmul_mosaic: tiles.cluster = {tiles.cluster} does not divide N / 64 = {n // ROWS}."
+    )
   block_m, block_k = tiles.block_m, tiles.block_k
   x = x.astype(jnp.bfloat16)
   if m > 8 and m % 8:  # x's copies are tiled 8 rows deep: 8 rows or fewer, or a multiple of 8
@@ -581,7 +593,12 @@ def grouped_fp4_matmul_mosaic(
         grid=(k // block_k,),
         memory_registers=40,
         in_specs=[
-          plgpu.BlockSpec((pl.Element(block_m), block_k), lambda kk: (row0, kk), transforms=x_transforms),
+          plgpu.BlockSpec(
+            (pl.Element(block_m), block_k),
+            lambda kk: (row0, kk),
+            transforms=x_transforms,
+            collective_axes=("cn",) if tiles.cluster > 1 else (),
+          ),
           plgpu.BlockSpec((1, block_k // SCALE_GROUP_K, 9, THREADS), lambda kk: (row_tile, kk, 0, 0)),
         ],
         wg_axis="wg",
@@ -617,6 +634,7 @@ def grouped_fp4_matmul_mosaic(
     out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
     grid=(num_experts, n // ROWS),
     grid_names=("e", "n"),
+    **(dict(cluster=(1, tiles.cluster), cluster_names=("ce", "cn")) if tiles.cluster > 1 else {}),
     num_threads=2,
     thread_name="wg",
     compiler_params=plgpu.CompilerParams(),  # lane semantics: scalar control flow in the kernel

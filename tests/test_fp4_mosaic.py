@@ -94,6 +94,27 @@ def test_passes_counts_the_x_tiles_a_group_touches():
   np.testing.assert_array_equal(fm.passes(np.array([7, 2]), 16), [1, 1])  # rows 7, 8: one tile [0, 16)
 
 
+@pytest.mark.parametrize(
+  "m, k, n, want",
+  [
+    (1, 8192, 8192, fm.MosaicTiles(16, 512, 4, cluster=2)),
+    (16, 8192, 8192, fm.MosaicTiles(16, 512, 4, cluster=2)),
+    (32, 8192, 8192, fm.MosaicTiles(32, 512, 4, cluster=4)),
+    (64, 8192, 8192, fm.MosaicTiles(64, 512, 2, cluster=8)),  # x's 64 KB per step leave room for 2 slots
+    (16, 768, 2048, fm.MosaicTiles(16, 384, 4, cluster=2)),
+    (64, 256, 192, fm.MosaicTiles(64, 256, 4, cluster=1)),  # 3 row tiles: no cluster divides them
+    (32, 128, 128, fm.MosaicTiles(32, 128, 4, cluster=2)),
+  ],
+)
+def test_default_tiles(m, k, n, want):
+  # x's bytes read through L2 (block_m x 2 per K, once per cluster) stay under half the weights' (64 x 0.5625).
+  tiles = fm.default_tiles(m, k, n)
+  assert tiles == want
+  assert (tiles.block_m * 2 / tiles.cluster) / (fm.ROWS * 0.5625) <= 0.5 or (n // fm.ROWS) % (2 * tiles.cluster)
+  assert fm.default_grouped_tiles(64 * 8, 128, 2048, 1536) == fm.MosaicTiles(16, 512, 4, cluster=2)
+  assert fm.default_grouped_tiles(256 * 8, 128, 2048, 1536) == fm.MosaicTiles(32, 512, 4, cluster=4)
+
+
 def test_every_e4m3_scale_byte():
   # All 256 bytes, as one weight's block scales: values, zero blocks, NaN, negative (folded into the codes).
   rng = np.random.default_rng(0)
@@ -260,6 +281,8 @@ def test_grouped_kernel_rejects_bad_calls():
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0, 0]), w)
   with pytest.raises(ValueError, match="stacked experts"):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4]), fm.pack_fragments(fp4.quantize(jnp.ones((64, 128)), "nvfp4")))
+  with pytest.raises(ValueError, match="cluster = 2 does not divide N / 64 = 1"):
+    fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, cluster=2))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels need an sm_90 GPU (the layout is tested above)")
