@@ -472,6 +472,7 @@ class MosaicTiles:
   block_k: int  # K per pipeline step (the decoded tile: block_k / 4 registers per thread)
   max_concurrent_steps: int = 4  # pipeline slots
   cluster: int = 1  # blocks of consecutive 64-row tiles (one expert's) that share each x tile: TMA multicast
+  tiles_per_block: int = 1  # 64-row tiles a block computes one after the other (chained pipelines)
 
 
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: the pipeline's slots
@@ -487,18 +488,32 @@ def default_tiles(m: int, k: int, n: int = 0) -> MosaicTiles:
   block_m = max(16, min(_next_power_of_2(m), 64))
   block_k = next(b for b in (512, 384, 256, SCALE_GROUP_K) if k % b == 0)
   step_bytes = block_m * block_k * 2 + block_k * ROWS * 9 // 16
-  slots = max(1, min(4, SMEM_BUDGET // step_bytes))
+  fit = SMEM_BUDGET // step_bytes
+  slots = next(s for s in (4, 2, 1) if s <= fit and (k // block_k) % s == 0)  # chained pipelines: s | steps
   cluster = min(block_m // 8, MAX_CLUSTER)
   while n and (n // ROWS) % cluster:
     cluster //= 2
   return MosaicTiles(block_m, block_k, max_concurrent_steps=slots, cluster=cluster if n else 1)
 
 
+# The producer warpgroup's registers (setmaxnreg): the consumer gets min(256, 512 - this), 256 either way;
+# 40 (jax's default) spills the chained pipelines' loop state in the producer.
+MEMORY_REGISTERS = 64
+WAVES = 2  # blocks per SM (132 on an H200) a grouped call keeps at least, when it chains tiles
+
+
 def default_grouped_tiles(m: int, num_experts: int, k: int, n: int = 0) -> MosaicTiles:
   """block_m: 16 while the mean group is at most 8 rows, else 32, so that at decode a group longer
   than block_m (which takes another pass, streaming its expert's tile again) is rare: at 256 tokens
-  top-8 of 128 experts the groups are 16 +- 4 rows. The cluster spans 64-row tiles of one expert."""
-  return default_tiles(16 if m <= 8 * num_experts else 32, k, n)
+  top-8 of 128 experts the groups are 16 +- 4 rows. The cluster spans 64-row tiles of one expert.
+  tiles_per_block: up to 4 of an expert's 64-row tiles per block, chained, while the grid keeps
+  WAVES blocks per SM: a block's first copies wait for HBM once, not once per tile."""
+  tiles = default_tiles(16 if m <= 8 * num_experts else 32, k, n)
+  n_tiles = n // ROWS
+  per_block = next(
+    (t for t in (4, 2) if n and n_tiles % (t * tiles.cluster) == 0 and num_experts * n_tiles // t >= WAVES * 132), 1
+  )
+  return dataclasses.replace(tiles, tiles_per_block=per_block)
 
 
 def passes(group_sizes: np.ndarray, block_m: int) -> np.ndarray:
@@ -554,9 +569,15 @@ def grouped_fp4_matmul_mosaic(
       f"grouped_fp4_matmul_mosaic: x [M, {k}], group_sizes {group_sizes.shape} and experts {w.shape} do not match."
     )
   tiles = tiles or default_grouped_tiles(m, num_experts, k, n)
-  if (n // ROWS) % tiles.cluster:
+  if (n // ROWS) % (tiles.cluster * tiles.tiles_per_block):
     raise ValueError(
-      f"grouped_fp4_matmul_mosaic: tiles.cluster = {tiles.cluster} does not divide N / 64 = {n // ROWS}."
+      f"grouped_fp4_matmul_mosaic: tiles.cluster x tiles.tiles_per_block = {tiles.cluster} x "
+      f"{tiles.tiles_per_block} does not divide N / 64 = {n // ROWS}."
+    )
+  if (k // tiles.block_k) % tiles.max_concurrent_steps:
+    raise ValueError(
+      f"grouped_fp4_matmul_mosaic: tiles.max_concurrent_steps = {tiles.max_concurrent_steps} must divide the "
+      f"{k // tiles.block_k} steps of K (chained pipelines)."
     )
   block_m, block_k = tiles.block_m, tiles.block_k
   x = x.astype(jnp.bfloat16)
@@ -567,8 +588,11 @@ def grouped_fp4_matmul_mosaic(
   decode = _decode_tile(block_k)
   store_rows = _store_rows(block_m, out_dtype)
 
+  per_block = tiles.tiles_per_block
+  steps = k // block_k
+
   def kernel(x_gmem, sizes_gmem, words_gmem, scale_gmem, out_gmem):
-    expert, row_tile = jax.lax.axis_index("e"), jax.lax.axis_index("n")
+    expert, tile0 = jax.lax.axis_index("e"), jax.lax.axis_index("n") * per_block
     start = jnp.int32(0)
     for g in range(num_experts):
       start = start + jnp.where(g < expert, sizes_gmem[g], 0)
@@ -584,18 +608,19 @@ def grouped_fp4_matmul_mosaic(
       @pl.loop(0, (m - total + block_m - 1) // block_m)
       def _(tile):
         row0 = total + tile * block_m
-        store_rows(zeros, row0, 0, jnp.minimum(m - row0, block_m), row_tile * ROWS, scale, out_gmem)
+        for t in range(per_block):
+          store_rows(zeros, row0, 0, jnp.minimum(m - row0, block_m), (tile0 + t) * ROWS, scale, out_gmem)
 
     def body(_, x_smem, words_smem, acc_ref):
       plgpu.wgmma(acc_ref, decode(words_smem), plgpu.transpose_ref(x_smem, (1, 0)))
       plgpu.wgmma_wait(0)
       return acc_ref
 
-    def pipeline(compute_context, row0):
+    def pipeline(compute_context, row0, row_tile, state):
       return plgpu.emit_pipeline_warp_specialized(
         body,
-        grid=(k // block_k,),
-        memory_registers=40,
+        grid=(steps,),
+        memory_registers=MEMORY_REGISTERS,
         in_specs=[
           plgpu.BlockSpec(
             (pl.Element(block_m), block_k),
@@ -609,25 +634,41 @@ def grouped_fp4_matmul_mosaic(
         num_compute_wgs=1,
         max_concurrent_steps=tiles.max_concurrent_steps,
         compute_context=compute_context,
+        pipeline_state=state,
       )
 
     # x's tiles start at a multiple of 8 rows (its copies are tiled 8 rows deep): the group's rows
     # are [start - base, start - base + size) of the tiles from `base` on.
     base = start // 8 * 8
+    passes = jnp.where(size > 0, (start - base + size + block_m - 1) // block_m, 0)
+    ignore = lambda *_, **__: None
+    allocations = pipeline(ignore, 0, 0, None).get_allocations(x_gmem, words_gmem.at[expert])
 
-    @pl.loop(0, jnp.where(size > 0, (start - base + size + block_m - 1) // block_m, 0))
-    def _(tile):
-      row0 = base + tile * block_m
-      lo = jnp.maximum(start - row0, 0)
-      hi = jnp.minimum(jnp.minimum(start + size, m) - row0, block_m)
+    # One pipeline per (pass, weight tile), chained (START, STEADY..., STOP): the producer fetches the
+    # next one's first steps while the consumer finishes this one, so a block pays the copies'
+    # latency once, not per tile. (A lone pipeline is START: nothing follows it to wait for.)
+    @functools.partial(pl.run_scoped, allocations=allocations, collective_axes="wg")
+    def _(allocations):
+      def where(item):  # (first x row, weight tile) of an item
+        return base + item // per_block * block_m, tile0 + item % per_block
 
-      def compute_context(eval_pipeline):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS, block_m), jnp.float32))
-        def _(acc_ref):
-          eval_pipeline(acc_ref)
-          store_rows(acc_ref[...], row0, lo, hi, row_tile * ROWS, scale, out_gmem)
+      @pl.loop(0, passes * per_block)
+      def _(item):
+        last = passes * per_block - 1
+        state = jnp.where(item == 0, int(plgpu.PipelinePipeline.START), int(plgpu.PipelinePipeline.STEADY))
+        state = jnp.where((item == last) & (item > 0), int(plgpu.PipelinePipeline.STOP), state)
 
-      pipeline(compute_context, row0)(x_gmem, words_gmem.at[expert])
+        def compute_context(eval_pipeline):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS, block_m), jnp.float32))
+          def _(acc_ref):
+            eval_pipeline(acc_ref)
+            row0, row_tile = where(item)  # after the loop: fewer values live through it
+            lo = jnp.maximum(start - row0, 0)
+            hi = jnp.minimum(jnp.minimum(start + size, m) - row0, block_m)
+            store_rows(acc_ref[...], row0, lo, hi, row_tile * ROWS, scale, out_gmem)
+
+        row0, row_tile = where(item)
+        pipeline(compute_context, row0, row_tile, state)(x_gmem, words_gmem.at[expert], allocations=allocations)
 
   if w.tensor_scale is None:
     scale = jnp.ones((num_experts,), jnp.float32)
@@ -636,7 +677,7 @@ def grouped_fp4_matmul_mosaic(
   return plgpu.kernel(
     kernel,
     out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-    grid=(num_experts, n // ROWS),
+    grid=(num_experts, n // ROWS // per_block),
     grid_names=("e", "n"),
     **(dict(cluster=(1, tiles.cluster), cluster_names=("ce", "cn")) if tiles.cluster > 1 else {}),
     num_threads=2,

@@ -101,9 +101,9 @@ def test_passes_counts_the_x_tiles_a_group_touches():
     (16, 8192, 8192, fm.MosaicTiles(16, 512, 4, cluster=2)),
     (32, 8192, 8192, fm.MosaicTiles(32, 512, 4, cluster=4)),
     (64, 8192, 8192, fm.MosaicTiles(64, 512, 2, cluster=8)),  # x's 64 KB per step leave room for 2 slots
-    (16, 768, 2048, fm.MosaicTiles(16, 384, 4, cluster=2)),
-    (64, 256, 192, fm.MosaicTiles(64, 256, 4, cluster=1)),  # 3 row tiles: no cluster divides them
-    (32, 128, 128, fm.MosaicTiles(32, 128, 4, cluster=2)),
+    (16, 768, 2048, fm.MosaicTiles(16, 384, 2, cluster=2)),  # 2 steps: the slots divide them (chained pipelines)
+    (64, 256, 192, fm.MosaicTiles(64, 256, 1, cluster=1)),  # 3 row tiles: no cluster divides them; 1 step, 1 slot
+    (32, 128, 128, fm.MosaicTiles(32, 128, 1, cluster=2)),
   ],
 )
 def test_default_tiles(m, k, n, want):
@@ -111,8 +111,13 @@ def test_default_tiles(m, k, n, want):
   tiles = fm.default_tiles(m, k, n)
   assert tiles == want
   assert (tiles.block_m * 2 / tiles.cluster) / (fm.ROWS * 0.5625) <= 0.5 or (n // fm.ROWS) % (2 * tiles.cluster)
-  assert fm.default_grouped_tiles(64 * 8, 128, 2048, 1536) == fm.MosaicTiles(16, 512, 4, cluster=2)
-  assert fm.default_grouped_tiles(256 * 8, 128, 2048, 1536) == fm.MosaicTiles(32, 512, 4, cluster=4)
+
+
+def test_default_grouped_tiles_chain_up_to_4_tiles_while_2_blocks_per_sm_remain():
+  assert fm.default_grouped_tiles(64 * 8, 128, 2048, 1536) == fm.MosaicTiles(16, 512, 4, cluster=2, tiles_per_block=4)
+  assert fm.default_grouped_tiles(256 * 8, 128, 2048, 1536) == fm.MosaicTiles(32, 512, 4, 4, tiles_per_block=2)
+  assert fm.default_grouped_tiles(256 * 8, 128, 768, 2048) == fm.MosaicTiles(32, 384, 2, 4, tiles_per_block=4)
+  assert fm.default_grouped_tiles(20, 6, 256, 128).tiles_per_block == 1  # 12 blocks: fewer than 2 per SM already
 
 
 def test_every_e4m3_scale_byte():
@@ -281,8 +286,10 @@ def test_grouped_kernel_rejects_bad_calls():
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0, 0]), w)
   with pytest.raises(ValueError, match="stacked experts"):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4]), fm.pack_fragments(fp4.quantize(jnp.ones((64, 128)), "nvfp4")))
-  with pytest.raises(ValueError, match="cluster = 2 does not divide N / 64 = 1"):
-    fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, cluster=2))
+  with pytest.raises(ValueError, match="cluster x tiles.tiles_per_block = 2 x 1 does not divide N / 64 = 1"):
+    fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, cluster=2))
+  with pytest.raises(ValueError, match="max_concurrent_steps = 4 must divide the 1 steps"):
+    fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 4))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels need an sm_90 GPU (the layout is tested above)")
