@@ -301,7 +301,10 @@ def test_grouped_kernel_matches_reference(per_expert_scale):
   w = _experts(rng, e, n, k, per_expert_scale)
   sizes = jnp.asarray([3, 0, 40, 1, 0, 7], jnp.int32)
   x = jnp.asarray(rng.standard_normal((56, k)), jnp.bfloat16)
-  got = fm.grouped_fp4_matmul_mosaic(x, sizes, fm.pack_fragments(w), out_dtype=jnp.float32)
   want = grouped.grouped_fp4_matmul_reference(x, sizes, w, out_dtype=jnp.float32)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-  assert np.all(np.asarray(got)[51:] == 0)
+  packed = fm.pack_fragments(w)
+  # the defaults (one tile per block, a cluster of 2), then 2 chained tiles per block, and no cluster
+  for tiles in (None, fm.MosaicTiles(16, 256, 2, cluster=1, tiles_per_block=2), fm.MosaicTiles(32, 128, 4)):
+    got = fm.grouped_fp4_matmul_mosaic(x, sizes, packed, tiles=tiles, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
+    assert np.all(np.asarray(got)[51:] == 0)
