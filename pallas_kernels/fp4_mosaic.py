@@ -480,16 +480,17 @@ MAX_CLUSTER = 8  # the portable cluster size
 
 
 def default_tiles(m: int, k: int, n: int = 0) -> MosaicTiles:
-  """block_m: M rounded up to 16..64 (wgmma's N). block_k: the largest of 512, 384, 256 that divides
-  K (the loop's fixed cost is spread over more weights; 768 spills, its 48 wgmmas' descriptors move
-  out of the uniform registers). As many pipeline slots (up to 4) as fit: 2 at block_m = 64.
+  """block_m: M rounded up to 16..64 (wgmma's N). block_k: the largest of 512, 384, 256, 128 that
+  divides K in 2 steps or more (the loop's fixed cost is spread over more weights; 768 spills, its 48
+  wgmmas' descriptors move out of the uniform registers; a single step leaves nothing to pipeline).
+  As many pipeline slots (up to 4) as fit and divide the steps (chained pipelines): 2 at block_m = 64.
   cluster: block_m / 8 blocks share each x tile (a power of two dividing N/64, at most 8), so that x's
   reads from L2 stay under half the weight bytes (block_m x 2 bytes per K against 64 x 0.5625)."""
   block_m = max(16, min(_next_power_of_2(m), 64))
-  block_k = next(b for b in (512, 384, 256, SCALE_GROUP_K) if k % b == 0)
+  block_k = next((b for b in (512, 384, 256, SCALE_GROUP_K) if k % b == 0 and k // b >= 2), SCALE_GROUP_K)
   step_bytes = block_m * block_k * 2 + block_k * ROWS * 9 // 16
   fit = SMEM_BUDGET // step_bytes
-  slots = next(s for s in (4, 2, 1) if s <= fit and (k // block_k) % s == 0)  # chained pipelines: s | steps
+  slots = next(s for s in (4, 3, 2, 1) if s <= fit and (k // block_k) % s == 0)  # chained pipelines: s | steps
   cluster = min(block_m // 8, MAX_CLUSTER)
   while n and (n // ROWS) % cluster:
     cluster //= 2
@@ -641,34 +642,48 @@ def grouped_fp4_matmul_mosaic(
     # are [start - base, start - base + size) of the tiles from `base` on.
     base = start // 8 * 8
     passes = jnp.where(size > 0, (start - base + size + block_m - 1) // block_m, 0)
-    ignore = lambda *_, **__: None
-    allocations = pipeline(ignore, 0, 0, None).get_allocations(x_gmem, words_gmem.at[expert])
 
     # One pipeline per (pass, weight tile), chained (START, STEADY..., STOP): the producer fetches the
     # next one's first steps while the consumer finishes this one, so a block pays the copies'
-    # latency once, not per tile. (A lone pipeline is START: nothing follows it to wait for.)
+    # latency once, not per tile. A lone item runs unchained (state None): its producer waits for the
+    # consumers before it ends (with a cluster, the other blocks' consumers arrive on this block's
+    # barriers: it must not exit first), as STOP does at the end of a chain.
+    items = passes * per_block
+
+    def where(item):  # (first x row, weight tile) of an item
+      return base + item // per_block * block_m, tile0 + item % per_block
+
+    def run(item, state, allocations):
+      def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS, block_m), jnp.float32))
+        def _(acc_ref):
+          eval_pipeline(acc_ref)
+          row0, row_tile = where(item)  # after the loop: fewer values live through it
+          lo = jnp.maximum(start - row0, 0)
+          hi = jnp.minimum(jnp.minimum(start + size, m) - row0, block_m)
+          store_rows(acc_ref[...], row0, lo, hi, row_tile * ROWS, scale, out_gmem)
+
+      row0, row_tile = where(item)
+      pipeline(compute_context, row0, row_tile, state)(x_gmem, words_gmem.at[expert], allocations=allocations)
+
+    ignore = lambda *_, **__: None
+    allocations = pipeline(ignore, 0, 0, None).get_allocations(x_gmem, words_gmem.at[expert])
+
     @functools.partial(pl.run_scoped, allocations=allocations, collective_axes="wg")
     def _(allocations):
-      def where(item):  # (first x row, weight tile) of an item
-        return base + item // per_block * block_m, tile0 + item % per_block
+      @pl.when(items == 1)
+      def _():
+        run(0, None, allocations)
 
-      @pl.loop(0, passes * per_block)
-      def _(item):
-        last = passes * per_block - 1
-        state = jnp.where(item == 0, int(plgpu.PipelinePipeline.START), int(plgpu.PipelinePipeline.STEADY))
-        state = jnp.where((item == last) & (item > 0), int(plgpu.PipelinePipeline.STOP), state)
+      if per_block > 1 or m > block_m:  # else a block has at most one item
 
-        def compute_context(eval_pipeline):
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS, block_m), jnp.float32))
-          def _(acc_ref):
-            eval_pipeline(acc_ref)
-            row0, row_tile = where(item)  # after the loop: fewer values live through it
-            lo = jnp.maximum(start - row0, 0)
-            hi = jnp.minimum(jnp.minimum(start + size, m) - row0, block_m)
-            store_rows(acc_ref[...], row0, lo, hi, row_tile * ROWS, scale, out_gmem)
-
-        row0, row_tile = where(item)
-        pipeline(compute_context, row0, row_tile, state)(x_gmem, words_gmem.at[expert], allocations=allocations)
+        @pl.when(items > 1)
+        def _():
+          @pl.loop(0, items)
+          def _(item):
+            state = jnp.where(item == 0, int(plgpu.PipelinePipeline.START), int(plgpu.PipelinePipeline.STEADY))
+            state = jnp.where(item == items - 1, int(plgpu.PipelinePipeline.STOP), state)
+            run(item, state, allocations)
 
   if w.tensor_scale is None:
     scale = jnp.ones((num_experts,), jnp.float32)

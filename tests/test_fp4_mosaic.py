@@ -102,7 +102,7 @@ def test_passes_counts_the_x_tiles_a_group_touches():
     (32, 8192, 8192, fm.MosaicTiles(32, 512, 4, cluster=4)),
     (64, 8192, 8192, fm.MosaicTiles(64, 512, 2, cluster=8)),  # x's 64 KB per step leave room for 2 slots
     (16, 768, 2048, fm.MosaicTiles(16, 384, 2, cluster=2)),  # 2 steps: the slots divide them (chained pipelines)
-    (64, 256, 192, fm.MosaicTiles(64, 256, 1, cluster=1)),  # 3 row tiles: no cluster divides them; 1 step, 1 slot
+    (64, 256, 192, fm.MosaicTiles(64, 128, 2, cluster=1)),  # 3 row tiles: no cluster divides them; 2 steps of 128
     (32, 128, 128, fm.MosaicTiles(32, 128, 1, cluster=2)),
   ],
 )
