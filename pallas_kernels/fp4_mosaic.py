@@ -33,6 +33,10 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
   * x's tiles are shared by a cluster of block_m / 8 blocks (consecutive 64-row tiles of one
     expert): the copy engine multicasts each tile, so that x's reads through L2 stay under half
     the weight bytes (`default_tiles`).
+  * A block's items (an x tile of its expert's rows x one of its 64-row weight tiles) run one
+    pipeline each, chained (Pallas' pipeline of pipelines), so that the producer fetches the next
+    item while the consumer finishes this one: a grouped block takes up to 4 tiles
+    (`default_grouped_tiles`) and waits for HBM once.
 
 experiments/kernel_report.py counts the compiled loop (pallas_kernels/gpu_compile.py compiles it
 for sm_90a without a GPU): 2.48-2.50 SASS instructions per weight (2.54 at K = 768), against 6.6
