@@ -228,7 +228,8 @@ def compile_for_h200(
   os.makedirs(work, exist_ok=True)
   dump, mosaic_dump = os.path.join(work, "xla_dump"), os.path.join(work, "mosaic_dump")
   try:
-    with _mosaic_gpu_dump(mosaic_dump, work):
+    # Never from a persistent compilation cache: a cache hit compiles nothing, so dumps nothing.
+    with _mosaic_gpu_dump(mosaic_dump, work), _no_persistent_cache():
       jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compile(compiler_options={"xla_dump_to": dump})
     [sequence] = glob.glob(os.path.join(dump, "*.thunk_sequence.txt"))
     launches = parse_launches(pathlib.Path(sequence).read_text())
@@ -243,6 +244,16 @@ def compile_for_h200(
   finally:
     if keep_dir is None:
       shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _no_persistent_cache():
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", before)
 
 
 @contextlib.contextmanager
