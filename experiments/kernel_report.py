@@ -189,7 +189,7 @@ def _engine_row(case: Case) -> dict:
   """One decode step of the rollout engine (`rollout.decode_step`, `case.tokens` sequences, a 1024-slot
   FP4 KV cache) on a Qwen3-30B-A3B-shaped model of ENGINE_LAYERS layers (hidden n, 128 experts of
   moe_intermediate k, top-8) with NVFP4 experts in the Mosaic kernel's layout, as `generate` runs it on
-  Hopper: the launches per step, and the Mosaic GPU calls among them (3 per MoE layer: gate, up, down)."""
+  Hopper: the launches per step, and the Mosaic GPU calls among them (2 per MoE layer: gate and up as one weight, then down)."""
   from trace_jax import model, rollout
   from trace_jax.config import ModelConfig, QuantConfig, RolloutConfig
 

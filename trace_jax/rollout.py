@@ -73,7 +73,7 @@ class EngineMoE:
 
   router: jax.Array = param_field("embed", None)
   gate: PackedExperts = param_field("experts", "mlp", "embed")
-  up: PackedExperts = param_field("experts", "mlp", "embed")
+  up: PackedExperts | None = param_field("experts", "mlp", "embed")  # None: gate holds gate and up
   down: PackedExperts = param_field("experts", "embed", "mlp")
   shared: MLPParams | None = None
   shared_gate: jax.Array | None = param_field("embed", None, default=None)
@@ -203,16 +203,16 @@ def expert_layout(rollout_config: RolloutConfig, model_config: ModelConfig) -> s
 
 def pack_fragments_once(params: EngineParams) -> EngineParams:
   """The engine's params with the packed routed experts as the Mosaic kernel's `FragmentWeight`s
-  (a permutation of the same codes and scales: the same values, 4.5 bits per weight)."""
-
-  def pack(w):
-    return pallas_kernels.mosaic.pack_fragments(w) if isinstance(w, fp4.QuantizedArray) else w
+  (a permutation of the same codes and scales: the same values, 4.5 bits per weight). gate and up
+  become one weight [E, 2I, H] in `gate` (`up` None): one call reads x once for both."""
 
   def layer_(layer: LayerParams):
-    if not isinstance(layer.mlp, EngineMoE):
-      return layer
     m = layer.mlp
-    return dataclasses.replace(layer, mlp=dataclasses.replace(m, gate=pack(m.gate), up=pack(m.up), down=pack(m.down)))
+    if not isinstance(m, EngineMoE) or not isinstance(m.gate, fp4.QuantizedArray):
+      return layer
+    gate_up = jax.tree_util.tree_map(lambda g, u: jnp.concatenate([g, u], axis=1), m.gate, m.up)
+    pack = pallas_kernels.mosaic.pack_fragments
+    return dataclasses.replace(layer, mlp=dataclasses.replace(m, gate=pack(gate_up), up=None, down=pack(m.down)))
 
   return dataclasses.replace(params, layers=tuple(layer_(layer) for layer in params.layers))
 
@@ -449,8 +449,13 @@ def _experts(weights, xs, group_sizes, st: EngineSettings):
   """
   gate_w, up_w, down_w = weights
   impl = st.rollout.matmul_impl
-  gate = grouped_matmul(xs, gate_w, group_sizes, impl).astype(jnp.float32)
-  up = grouped_matmul(xs, up_w, group_sizes, impl)
+  if up_w is None:  # gate and up as one weight [E, 2I, H] (`pack_fragments_once`)
+    gate_up = grouped_matmul(xs, gate_w, group_sizes, impl)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    gate = gate.astype(jnp.float32)
+  else:
+    gate = grouped_matmul(xs, gate_w, group_sizes, impl).astype(jnp.float32)
+    up = grouped_matmul(xs, up_w, group_sizes, impl)
   h = (jax.nn.silu(gate) * up).astype(st.dtype)
   hq, q_hidden = _act(h, st.quant, "experts")
   return grouped_matmul(hq, down_w, group_sizes, impl), q_hidden
