@@ -196,7 +196,7 @@ def main(argv=None):
   params = jax.jit(model.init_params, static_argnums=0)(config, jax.random.key(args.seed))
   systems = {"ours bf16": ours(params, None), "ours fp4": ours(params, QuantConfig())}
   fp4_layout = rollout.expert_layout(RolloutConfig(quant=QuantConfig()), config)
-  print(f"ours fp4: routed experts as {fp4_layout} ({rollout.EXPERT_LAYOUTS_DOC[fp4_layout]})")
+  print(f"ours fp4: routed experts as {fp4_layout} (rollout.expert_layout)")
   if fp4_layout == "fragments":  # Hopper: the Mosaic kernel; the Triton kernel beside it
     systems["ours fp4 triton"] = ours(params, QuantConfig(matmul_impl="pallas"))
   hf_names = []

@@ -54,7 +54,7 @@ def is_hopper() -> bool:
 def select_impl(impl: Impl, op: str = "packed_matmul") -> str:
   """'mosaic', 'pallas' (Triton) or 'reference' for `impl`; 'auto': the Mosaic kernel on Hopper, the
   Triton one on other GPUs, the reference elsewhere. (Callers whose weights the Mosaic kernel cannot
-  take, see `fp4_mosaic.supports`, fall back to the Triton kernel.)"""
+  take, see `fp4_mosaic.unsupported`, fall back to the Triton kernel.)"""
   if impl not in IMPLS:
     raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}.")
   backend = jax.default_backend()

@@ -39,7 +39,7 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     (`default_grouped_tiles`) and waits for HBM once.
 
 experiments/kernel_report.py counts the compiled loop (pallas_kernels/gpu_compile.py compiles it
-for sm_90a without a GPU): 2.48-2.50 SASS instructions per weight (2.54 at K = 768), against 6.6
+for sm_90a without a GPU): 2.48-2.49 SASS instructions per weight (2.55 at K = 768), against 6.6
 for the Pallas-Triton kernel. The rollout engine runs it on Hopper (rollout.expert_layout);
 `unpack_fragments` inverts the packing, for the jnp reference.
 
@@ -118,14 +118,6 @@ def unsupported(fmt: str, n: int, k: int) -> str | None:
   return None
 
 
-def check_shape(n: int, k: int, what: str = "weight"):
-  if n % ROWS or k % SCALE_GROUP_K:
-    raise ValueError(
-      f"{what}: shape [{n}, {k}] is not supported by the Mosaic FP4 kernel: N must be a multiple of "
-      f"{ROWS} and K of {SCALE_GROUP_K}; use pallas_kernels.fp4_matmul for other shapes."
-    )
-
-
 # --- where each code bit goes -----------------------------------------------------------------
 #
 # Register o (0..3) of a chunk's fragment holds two weights e = 0 (low half) and 1 (high half). It
@@ -189,13 +181,12 @@ def ue5m3_from_e4m3(scales: jax.Array) -> jax.Array:
 def pack_fragments(w: fp4.QuantizedArray) -> FragmentWeight:
   """Permute an NVFP4 `QuantizedArray` [N, K] (or stacked experts [E, N, K]) into the kernel's
   fragment layout (exact: see the module docstring for zero and negative scales)."""
-  if w.fmt.name != "nvfp4":
-    raise ValueError(f"pack_fragments: the Mosaic FP4 kernel takes NVFP4 weights, got {w.fmt.name}.")
   if w.codes.ndim not in (2, 3):
     raise ValueError(
       f"pack_fragments: expected a weight [N, K/2] or experts [E, N, K/2], got codes of shape {w.codes.shape}."
     )
-  check_shape(*w.shape[-2:])
+  if why := unsupported(w.fmt.name, *w.shape[-2:]):
+    raise ValueError(f"pack_fragments: {why}; use pallas_kernels.fp4_matmul (Triton) for other weights.")
   ts = w.tensor_scale
   if ts is not None and ts.size not in (1, w.codes.shape[0] if w.codes.ndim == 3 else 1):
     raise ValueError("pack_fragments: a per-row tensor scale is not supported; give one scale per tensor (or expert).")
@@ -557,7 +548,7 @@ def grouped_fp4_matmul_mosaic(
   """x [M, K] (rows sorted by expert, `group_sizes` [E] rows each) times expert e's weight^T for
   its rows -> [M, N], on an sm_90 GPU. Weights: `pack_fragments` of the experts [E, N, K].
 
-  One block per (expert, 64 weight rows): it reads the group sizes (its rows' start is the sum of
+  One block per (expert, 64 x tiles.tiles_per_block weight rows): it reads the group sizes (its rows' start is the sum of
   the groups before it, unrolled: no metadata kernel), streams its expert's tile once per x tile
   its rows touch (`passes`: once at decode) and nothing for an expert without rows, and writes
   its rows itself (masked stores). Rows past sum(group_sizes) are zero (written by the last

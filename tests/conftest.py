@@ -11,7 +11,6 @@ import tempfile  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-from jax.experimental.compilation_cache import compilation_cache
 
 _SESSION_CACHE = "TRACE_JAX_TEST_XLA_CACHE"  # set by the process that made the session's cache
 
@@ -25,9 +24,9 @@ def pytest_configure(config):
     return
   path = tempfile.mkdtemp(prefix="trace_jax_xla_cache_")
   os.environ.update({"JAX_COMPILATION_CACHE_DIR": path, _SESSION_CACHE: path})
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+  min_secs = os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
   jax.config.update("jax_compilation_cache_dir", path)  # this process imported jax already
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_secs))
 
 
 def pytest_unconfigure(config):
@@ -37,17 +36,7 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory):
-  """An on-disk compilation cache for this module, or the session's (see pytest_configure)."""
-  if jax.config.jax_compilation_cache_dir:
-    yield jax.config.jax_compilation_cache_dir
-    return
-  path = str(tmp_path_factory.mktemp("xla_cache"))
-  min_secs = jax.config.jax_persistent_cache_min_compile_time_secs
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-  compilation_cache.set_cache_dir(path)
-  compilation_cache.reset_cache()  # re-read the setting even if earlier tests compiled already
-  yield path
-  jax.config.update("jax_compilation_cache_dir", None)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
-  compilation_cache.reset_cache()
+def xla_cache():
+  """The on-disk compilation cache (the session's, see pytest_configure, or the user's own): for tests
+  that hand it to the subprocesses they start."""
+  return jax.config.jax_compilation_cache_dir

@@ -27,8 +27,6 @@ from trace_jax.metrics_writer import read_metrics
 D = 2
 ASYNC = {"rl.max_version_diff": D, "checkpoint_every": 1}
 
-pytestmark = pytest.mark.usefixtures("xla_cache")
-
 
 # --- the producer, with a fake rollout ---------------------------------------------------------
 

@@ -67,9 +67,6 @@ SPEC_KEYS = (
 # --- fixtures and helpers -------------------------------------------------------------------
 
 
-pytestmark = pytest.mark.usefixtures("xla_cache")  # tests/conftest.py: an on-disk compile cache per module
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
   return str(tmp_path_factory.mktemp("tfds"))

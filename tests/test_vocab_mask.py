@@ -363,7 +363,6 @@ def running_sums(rng: random.Random, n: int) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("xla_cache")
 def test_loop_trains_with_a_smaller_hf_tokenizer(hf_tokenizer, tmp_path):
   rng = random.Random(0)
   paths = {}

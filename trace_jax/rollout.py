@@ -163,21 +163,9 @@ def _decoded(w: fp4.QuantizedArray, dtype) -> jax.Array:
   return fp4.dequantize(w, dtype)
 
 
-def decodes_once(rollout_config: RolloutConfig) -> bool:
-  """Whether FP4 storage is decoded once (no FP4 arithmetic on this backend) or at every use."""
-  return pallas_kernels.select_impl(rollout_config.matmul_impl, "rollout.generate") == "reference"
-
-
-EXPERT_LAYOUTS_DOC = {
-  "values": "decoded once per generate: no FP4 matmul on this backend",
-  "codes": "codes and scales as weight sync stores them: the Pallas-Triton kernel",
-  "fragments": "repacked once per generate as wgmma fragments: the Mosaic GPU kernel",
-}
-
-
 def expert_layout(rollout_config: RolloutConfig, model_config: ModelConfig) -> str:
   """How `generate` holds the packed routed experts: 'values' (decoded once: no FP4 arithmetic on
-  this backend), 'codes' (the `QuantizedArray`s of weight sync: the Triton kernel) or 'fragments'
+  this backend; the KV cache is then decoded once per slot too), 'codes' (the `QuantizedArray`s of weight sync: the Triton kernel) or 'fragments'
   (`FragmentWeight`s: the Mosaic kernel, Hopper, NVFP4, N a multiple of 64 and K of 128; with
   matmul_impl='auto' other cases fall back to 'codes', with 'mosaic' they are an error)."""
   impl = pallas_kernels.select_impl(rollout_config.matmul_impl, "rollout.generate")
@@ -191,9 +179,8 @@ def expert_layout(rollout_config: RolloutConfig, model_config: ModelConfig) -> s
   elif quant is None or not (quant.quantizes("experts") and quant.weights) or not model_config.num_experts:
     why = "there are no FP4 routed experts"
   else:
-    why = pallas_kernels.mosaic.unsupported(quant.format.name, i, h) or pallas_kernels.mosaic.unsupported(
-      quant.format.name, h, i
-    )
+    unsupported = functools.partial(pallas_kernels.mosaic.unsupported, quant.format.name)
+    why = unsupported(2 * i, h) or unsupported(h, i)  # gate and up as one [2I, H] weight; down [H, I]
   if why is None:
     return "fragments"
   if rollout_config.matmul_impl == "mosaic":
@@ -663,7 +650,7 @@ def generate(
     params = decode_once(params, st.dtype)
   elif layout == "fragments":
     params = pack_fragments_once(params)
-  caches = init_cache(model_config, b, total, rollout_config.quant, st.dtype, decoded=decodes_once(rollout_config))
+  caches = init_cache(model_config, b, total, rollout_config.quant, st.dtype, decoded=layout == "values")
   buffers = _record_buffers(st, b, total)
   topk_buf = tuple(
     jnp.zeros((b, total, model_config.num_experts_per_tok), jnp.int32) if model_config.is_moe_layer(i) else None
