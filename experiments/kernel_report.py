@@ -94,6 +94,7 @@ TEST_CASES = [
   Case("mosaic_fp4", 16, 8192, 8192, label="mosaic_fp4"),
   Case("mosaic_fp4", 64, 8192, 8192, label="mosaic_fp4_m64"),
   Case("mosaic_fp4", 64 * 8, 1536, 2048, experts=128, tokens=64, label="mosaic_grouped"),
+  Case("mosaic_fp4", 64 * 8, 2048, 768, experts=128, tokens=64, label="mosaic_grouped_down"),
   Case("mosaic_fp4", 12, 256, 1024, label="mosaic_fp4_m12"),  # M > 8, not a multiple of 8: x padded
   Case("mosaic_fp4", 20, 128, 256, experts=6, tokens=10, label="mosaic_grouped_small"),
   Case("engine", 64, 2048, 768, experts=128, tokens=64, label="engine_step"),
@@ -284,8 +285,12 @@ def _mosaic_fp4_row(case: Case) -> dict:
     t = mosaic.default_tiles(case.m, case.k, case.n)
     program = gpu_compile.compile_for_h200(functools.partial(mosaic.fp4_matmul_mosaic, tiles=t), x, w)
     streamed = distinct = 1
-  tiles = MosaicTiles(
-    block_m=t.block_m, block_n=mosaic.ROWS, block_k=t.block_k, cluster=t.cluster, slots=t.max_concurrent_steps
+  tiles = MosaicTiles(  # a pipeline step's weights: row_tiles x 64 rows x block_k
+    block_m=t.block_m,
+    block_n=mosaic.ROWS * t.row_tiles,
+    block_k=t.block_k,
+    cluster=t.cluster,
+    slots=t.max_concurrent_steps,
   )
   return _row(case, program, tiles, streamed, distinct, 0, 0.5 + 1 / 16)
 
@@ -298,7 +303,7 @@ def _row(case: Case, program, tiles, streamed: int, distinct: int, partial_bytes
   matrix = case.n * case.k
   weights_streamed = streamed * matrix
   kernel_bytes = weights_streamed * bytes_per_weight + case.m * case.k * 2 + case.m * case.n * 2 + partial_bytes
-  # every block reads its x tiles through L2: block_m rows x K per weight tile streamed, once per cluster
+  # every block reads its x tiles through L2: block_m rows x K per block_n rows streamed, once per cluster
   x_l2_bytes = streamed * (case.n // tiles.block_n) * tiles.block_m * case.k * 2 / getattr(tiles, "cluster", 1)
   t_memory, t_issue = kernel_bytes / HBM, weights_streamed * ipw / 32 / ISSUE
   t_l2 = (weights_streamed * bytes_per_weight + x_l2_bytes) / L2

@@ -37,9 +37,12 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     pipeline each, chained (Pallas' pipeline of pipelines), so that the producer fetches the next
     item while the consumer finishes this one: a grouped block takes up to 4 tiles
     (`default_grouped_tiles`) and waits for HBM once.
+  * Where K leaves no 512-wide step (K = 768: the down projection), a step takes 256 of K on two
+    64-row tiles (`MosaicTiles.row_tiles`): one x tile and one set of wgmma descriptors for both, so
+    that the loop's fixed cost is spread over as many weights as a 512-wide step.
 
 experiments/kernel_report.py counts the compiled loop (pallas_kernels/gpu_compile.py compiles it
-for sm_90a without a GPU): 2.48-2.49 SASS instructions per weight (2.55 at K = 768), against 6.6
+for sm_90a without a GPU): 2.48-2.49 SASS instructions per weight, against 6.6
 for the Pallas-Triton kernel. The rollout engine runs it on Hopper (rollout.expert_layout);
 `unpack_fragments` inverts the packing, for the jnp reference.
 
@@ -369,9 +372,9 @@ mov.b32 $3, {o1, o1};
 }"""
 
 
-def _decode_tile(block_k: int):
-  """inline_mgpu function: (the words' smem block [1, block_k/128, 9, 128])
-  -> the bf16 [64, block_k] weight tile (times 2^-7) in registers, wgmma layout."""
+def _decode_tile(block_k: int, tile: int = 0):
+  """inline_mgpu function: (the words' smem block [row_tiles, block_k/128, 9, 128])
+  -> its 64-row tile `tile`, bf16 [64, block_k] (times 2^-7) in registers, wgmma layout."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm, vector
   from jax.experimental.mosaic import gpu as mgpu
@@ -387,7 +390,7 @@ def _decode_tile(block_k: int):
     row_of_thread = arith.index_cast(index, arith.shrui(tid, mgpu_utils.c(5, i32)))
     col_of_thread = arith.index_cast(index, arith.shli(arith.andi(tid, mgpu_utils.c(31, i32)), mgpu_utils.c(2, i32)))
     quad_words = arith.index_cast(index, arith.shli(arith.shrui(tid, mgpu_utils.c(2, i32)), mgpu_utils.c(2, i32)))
-    zero = mgpu_utils.c(0, index)
+    tile_index = mgpu_utils.c(tile, index)
     layout = fa.WGMMA_LAYOUT
     registers = np.empty(layout.registers_shape((ROWS, block_k)), dtype=object)
     four = llvm.StructType.get_literal([i32] * 4)
@@ -400,10 +403,10 @@ def _decode_tile(block_k: int):
     for kg in range(block_k // GROUP_K):
       group = mgpu_utils.c(kg // 2, index)
       row = arith.addi(row_of_thread, mgpu_utils.c(4 * (kg % 2), index))
-      words = vector.load(ir.VectorType.get((4,), i32), words_ref, [zero, group, row, col_of_thread])
+      words = vector.load(ir.VectorType.get((4,), i32), words_ref, [tile_index, group, row, col_of_thread])
       if kg % 2 == 0:
         scale_words = vector.load(
-          ir.VectorType.get((4,), i32), words_ref, [zero, group, mgpu_utils.c(8, index), quad_words]
+          ir.VectorType.get((4,), i32), words_ref, [tile_index, group, mgpu_utils.c(8, index), quad_words]
         )
       for h in range(2):
         scale_word = vector.extract(scale_words, [], [2 * (kg % 2) + h])
@@ -467,47 +470,56 @@ class MosaicTiles:
   block_k: int  # K per pipeline step (the decoded tile: block_k / 4 registers per thread)
   max_concurrent_steps: int = 4  # pipeline slots
   cluster: int = 1  # blocks of consecutive 64-row tiles (one expert's) that share each x tile: TMA multicast
-  tiles_per_block: int = 1  # 64-row tiles a block computes one after the other (chained pipelines)
+  tiles_per_block: int = 1  # row units (below) a block computes one after the other (chained pipelines)
+  row_tiles: int = 1  # 64-row weight tiles each pipeline step decodes and multiplies by its one x tile (a row unit)
 
 
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: the pipeline's slots
 MAX_CLUSTER = 8  # the portable cluster size
 
 
-def default_tiles(m: int, k: int, n: int = 0) -> MosaicTiles:
-  """block_m: M rounded up to 16..64 (wgmma's N). block_k: the largest of 512, 384, 256, 128 that
-  divides K in 2 steps or more (the loop's fixed cost is spread over more weights; 768 spills, its 48
-  wgmmas' descriptors move out of the uniform registers; a single step leaves nothing to pipeline).
-  As many pipeline slots (up to 4) as fit and divide the steps (chained pipelines): 2 at block_m = 64.
-  cluster: block_m / 8 blocks share each x tile (a power of two dividing N/64, at most 8), so that x's
-  reads from L2 stay under half the weight bytes (block_m x 2 bytes per K against 64 x 0.5625)."""
-  block_m = max(16, min(_next_power_of_2(m), 64))
-  block_k = next((b for b in (512, 384, 256, SCALE_GROUP_K) if k % b == 0 and k // b >= 2), SCALE_GROUP_K)
-  step_bytes = block_m * block_k * 2 + block_k * ROWS * 9 // 16
-  fit = SMEM_BUDGET // step_bytes
-  slots = next(s for s in (4, 3, 2, 1) if s <= fit and (k // block_k) % s == 0)  # chained pipelines: s | steps
-  cluster = min(block_m // 8, MAX_CLUSTER)
-  while n and (n // ROWS) % cluster:
-    cluster //= 2
-  return MosaicTiles(block_m, block_k, max_concurrent_steps=slots, cluster=cluster if n else 1)
-
-
 # The producer warpgroup's registers (setmaxnreg): the consumer gets min(256, 512 - this), 256 either way;
 # 40 (jax's default) spills the chained pipelines' loop state in the producer.
 MEMORY_REGISTERS = 64
-WAVES = 2  # blocks per SM (132 on an H200) a grouped call keeps at least, when it chains tiles
+WAVES = 2  # blocks per SM (132 on an H200) a call keeps at least, when its blocks take more rows (below)
+SMS = 132
+
+
+def default_tiles(m: int, k: int, n: int = 0, experts: int = 1) -> MosaicTiles:
+  """block_m: M rounded up to 16..64 (wgmma's N). block_k: the largest of 512, 384, 256, 128 that
+  divides K in 2 steps or more (the loop's fixed cost is spread over more weights; 768 spills, its 48
+  wgmmas' descriptors move out of the uniform registers; a single step leaves nothing to pipeline).
+  Below 512, a step of 256 on two 64-row tiles (row_tiles 2: one x tile, 16 descriptors, for both)
+  where 256 divides K and the grid keeps WAVES blocks per SM: at K = 768, 2.48 instructions per
+  weight against 2.55 for one tile at 384 (two tiles at 384 copy their 24 descriptors: 2.54; at 512
+  they spill).
+  As many pipeline slots (up to 4) as fit and divide the steps (chained pipelines): 2 at block_m = 64.
+  cluster: block_m / 8 blocks share each x tile (a power of two dividing the row units, at most 8), so
+  that x's reads from L2 stay under half the weight bytes (block_m x 2 bytes per K against 64 x 0.5625)."""
+  block_m = max(16, min(_next_power_of_2(m), 64))
+  block_k = next((b for b in (512, 384, 256, SCALE_GROUP_K) if k % b == 0 and k // b >= 2), SCALE_GROUP_K)
+  row_tiles, n_tiles = 1, n // ROWS
+  if block_k < 512 and k % 256 == 0 and k // 256 >= 2 and n_tiles % 2 == 0 and experts * n_tiles // 2 >= WAVES * SMS:
+    block_k, row_tiles = 256, 2
+  step_bytes = block_m * block_k * 2 + row_tiles * block_k * ROWS * 9 // 16
+  fit = SMEM_BUDGET // step_bytes
+  slots = next(s for s in (4, 3, 2, 1) if s <= fit and (k // block_k) % s == 0)  # chained pipelines: s | steps
+  cluster = min(block_m // 8, MAX_CLUSTER)
+  while n and (n_tiles // row_tiles) % cluster:
+    cluster //= 2
+  return MosaicTiles(block_m, block_k, max_concurrent_steps=slots, cluster=cluster if n else 1, row_tiles=row_tiles)
 
 
 def default_grouped_tiles(m: int, num_experts: int, k: int, n: int = 0) -> MosaicTiles:
   """block_m: 16 while the mean group is at most 8 rows, else 32, so that at decode a group longer
   than block_m (which takes another pass, streaming its expert's tile again) is rare: at 256 tokens
-  top-8 of 128 experts the groups are 16 +- 4 rows. The cluster spans 64-row tiles of one expert.
-  tiles_per_block: up to 4 of an expert's 64-row tiles per block, chained, while the grid keeps
-  WAVES blocks per SM: a block's first copies wait for HBM once, not once per tile."""
-  tiles = default_tiles(16 if m <= 8 * num_experts else 32, k, n)
-  n_tiles = n // ROWS
+  top-8 of 128 experts the groups are 16 +- 4 rows. The cluster spans row units of one expert.
+  tiles_per_block: up to 4 of an expert's row units per block, chained, while the grid keeps
+  WAVES blocks per SM: a block's first copies wait for HBM once, not once per unit."""
+  tiles = default_tiles(16 if m <= 8 * num_experts else 32, k, n, num_experts)
+  units = n // ROWS // tiles.row_tiles
   per_block = next(
-    (t for t in (4, 2) if n and n_tiles % (t * tiles.cluster) == 0 and num_experts * n_tiles // t >= WAVES * 132), 1
+    (t for t in (4, 2) if n and units % (t * tiles.cluster) == 0 and num_experts * units // t >= WAVES * SMS), 1
   )
   return dataclasses.replace(tiles, tiles_per_block=per_block)
 
@@ -565,10 +577,10 @@ def grouped_fp4_matmul_mosaic(
       f"grouped_fp4_matmul_mosaic: x [M, {k}], group_sizes {group_sizes.shape} and experts {w.shape} do not match."
     )
   tiles = tiles or default_grouped_tiles(m, num_experts, k, n)
-  if (n // ROWS) % (tiles.cluster * tiles.tiles_per_block):
+  if (n // ROWS) % (tiles.cluster * tiles.tiles_per_block * tiles.row_tiles):
     raise ValueError(
-      f"grouped_fp4_matmul_mosaic: tiles.cluster x tiles.tiles_per_block = {tiles.cluster} x "
-      f"{tiles.tiles_per_block} does not divide N / 64 = {n // ROWS}."
+      f"grouped_fp4_matmul_mosaic: tiles.cluster x tiles.tiles_per_block x tiles.row_tiles = {tiles.cluster} x "
+      f"{tiles.tiles_per_block} x {tiles.row_tiles} does not divide N / 64 = {n // ROWS}."
     )
   if (k // tiles.block_k) % tiles.max_concurrent_steps:
     raise ValueError(
@@ -581,7 +593,8 @@ def grouped_fp4_matmul_mosaic(
     x = jnp.pad(x, ((0, -m % 8), (0, 0)))
   x_swizzle = plgpu.find_swizzle(block_k * 16, "rhs")
   x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
-  decode = _decode_tile(block_k)
+  row_tiles = tiles.row_tiles
+  decode = [_decode_tile(block_k, t) for t in range(row_tiles)]
   store_rows = _store_rows(block_m, out_dtype)
 
   per_block = tiles.tiles_per_block
@@ -604,15 +617,16 @@ def grouped_fp4_matmul_mosaic(
       @pl.loop(0, (m - total + block_m - 1) // block_m)
       def _(tile):
         row0 = total + tile * block_m
-        for t in range(per_block):
-          store_rows(zeros, row0, 0, jnp.minimum(m - row0, block_m), (tile0 + t) * ROWS, scale, out_gmem)
+        for t in range(per_block * row_tiles):
+          store_rows(zeros, row0, 0, jnp.minimum(m - row0, block_m), (tile0 * row_tiles + t) * ROWS, scale, out_gmem)
 
-    def body(_, x_smem, words_smem, acc_ref):
-      plgpu.wgmma(acc_ref, decode(words_smem), plgpu.transpose_ref(x_smem, (1, 0)))
-      plgpu.wgmma_wait(0)
-      return acc_ref
+    def body(_, x_smem, words_smem, accs):
+      for decode_tile, acc_ref in zip(decode, accs):  # one x tile for the unit's row tiles
+        plgpu.wgmma(acc_ref, decode_tile(words_smem), plgpu.transpose_ref(x_smem, (1, 0)))
+        plgpu.wgmma_wait(0)  # the decoded registers are free again
+      return accs
 
-    def pipeline(compute_context, row0, row_tile, state):
+    def pipeline(compute_context, row0, unit, state):
       return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(steps,),
@@ -624,7 +638,7 @@ def grouped_fp4_matmul_mosaic(
             transforms=x_transforms,
             collective_axes=("cn",) if tiles.cluster > 1 else (),
           ),
-          plgpu.BlockSpec((1, block_k // SCALE_GROUP_K, 9, THREADS), lambda kk: (row_tile, kk, 0, 0)),
+          plgpu.BlockSpec((row_tiles, block_k // SCALE_GROUP_K, 9, THREADS), lambda kk: (unit, kk, 0, 0)),
         ],
         wg_axis="wg",
         num_compute_wgs=1,
@@ -645,21 +659,22 @@ def grouped_fp4_matmul_mosaic(
     # barriers: it must not exit first), as STOP does at the end of a chain.
     items = passes * per_block
 
-    def where(item):  # (first x row, weight tile) of an item
+    def where(item):  # (first x row, row unit) of an item
       return base + item // per_block * block_m, tile0 + item % per_block
 
     def run(item, state, allocations):
       def compute_context(eval_pipeline):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS, block_m), jnp.float32))
-        def _(acc_ref):
-          eval_pipeline(acc_ref)
-          row0, row_tile = where(item)  # after the loop: fewer values live through it
+        @functools.partial(pl.run_scoped, accs=[plgpu.ACC((ROWS, block_m), jnp.float32)] * row_tiles)
+        def _(accs):
+          eval_pipeline(accs)
+          row0, unit = where(item)  # after the loop: fewer values live through it
           lo = jnp.maximum(start - row0, 0)
           hi = jnp.minimum(jnp.minimum(start + size, m) - row0, block_m)
-          store_rows(acc_ref[...], row0, lo, hi, row_tile * ROWS, scale, out_gmem)
+          for t, acc_ref in enumerate(accs):
+            store_rows(acc_ref[...], row0, lo, hi, (unit * row_tiles + t) * ROWS, scale, out_gmem)
 
-      row0, row_tile = where(item)
-      pipeline(compute_context, row0, row_tile, state)(x_gmem, words_gmem.at[expert], allocations=allocations)
+      row0, unit = where(item)
+      pipeline(compute_context, row0, unit, state)(x_gmem, words_gmem.at[expert], allocations=allocations)
 
     ignore = lambda *_, **__: None
     allocations = pipeline(ignore, 0, 0, None).get_allocations(x_gmem, words_gmem.at[expert])
@@ -687,7 +702,7 @@ def grouped_fp4_matmul_mosaic(
   return plgpu.kernel(
     kernel,
     out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-    grid=(num_experts, n // ROWS // per_block),
+    grid=(num_experts, n // ROWS // row_tiles // per_block),
     grid_names=("e", "n"),
     **(dict(cluster=(1, tiles.cluster), cluster_names=("ce", "cn")) if tiles.cluster > 1 else {}),
     num_threads=2,

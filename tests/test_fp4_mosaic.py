@@ -116,7 +116,10 @@ def test_default_tiles(m, k, n, want):
 def test_default_grouped_tiles_chain_up_to_4_tiles_while_2_blocks_per_sm_remain():
   assert fm.default_grouped_tiles(64 * 8, 128, 2048, 1536) == fm.MosaicTiles(16, 512, 4, cluster=2, tiles_per_block=4)
   assert fm.default_grouped_tiles(256 * 8, 128, 2048, 1536) == fm.MosaicTiles(32, 512, 4, 4, tiles_per_block=2)
-  assert fm.default_grouped_tiles(256 * 8, 128, 768, 2048) == fm.MosaicTiles(32, 384, 2, 4, tiles_per_block=4)
+  # down [2048, 768]: steps of 256 on two 64-row tiles (3 steps, 3 slots) instead of one tile at 384
+  assert fm.default_grouped_tiles(64 * 8, 128, 768, 2048) == fm.MosaicTiles(16, 256, 3, 2, 4, row_tiles=2)
+  assert fm.default_grouped_tiles(256 * 8, 128, 768, 2048) == fm.MosaicTiles(32, 256, 3, 4, 4, row_tiles=2)
+  assert fm.default_tiles(16, 768, 2048).row_tiles == 1  # dense: 32 blocks for 132 SMs already
   assert fm.default_grouped_tiles(20, 6, 256, 128).tiles_per_block == 1  # 12 blocks: fewer than 2 per SM already
 
 
@@ -286,8 +289,10 @@ def test_grouped_kernel_rejects_bad_calls():
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0, 0]), w)
   with pytest.raises(ValueError, match="stacked experts"):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4]), fm.pack_fragments(fp4.quantize(jnp.ones((64, 128)), "nvfp4")))
-  with pytest.raises(ValueError, match="cluster x tiles.tiles_per_block = 2 x 1 does not divide N / 64 = 1"):
+  with pytest.raises(ValueError, match="tiles_per_block x tiles.row_tiles = 2 x 1 x 1 does not divide N / 64 = 1"):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, cluster=2))
+  with pytest.raises(ValueError, match="= 1 x 1 x 2 does not divide N / 64 = 1"):
+    fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, row_tiles=2))
   with pytest.raises(ValueError, match="max_concurrent_steps = 4 must divide the 1 steps"):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 4))
 
@@ -303,8 +308,14 @@ def test_grouped_kernel_matches_reference(per_expert_scale):
   x = jnp.asarray(rng.standard_normal((56, k)), jnp.bfloat16)
   want = grouped.grouped_fp4_matmul_reference(x, sizes, w, out_dtype=jnp.float32)
   packed = fm.pack_fragments(w)
-  # the defaults (one tile per block, a cluster of 2), then 2 chained tiles per block, and no cluster
-  for tiles in (None, fm.MosaicTiles(16, 256, 2, cluster=1, tiles_per_block=2), fm.MosaicTiles(32, 128, 4)):
+  # the defaults (one tile per block, a cluster of 2), 2 chained tiles per block, no cluster, and both
+  # 64-row tiles in each step (one x tile for two weight tiles)
+  for tiles in (
+    None,
+    fm.MosaicTiles(16, 256, 2, cluster=1, tiles_per_block=2),
+    fm.MosaicTiles(32, 128, 4),
+    fm.MosaicTiles(16, 256, 2, row_tiles=2),
+  ):
     got = fm.grouped_fp4_matmul_mosaic(x, sizes, packed, tiles=tiles, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
     assert np.all(np.asarray(got)[51:] == 0)

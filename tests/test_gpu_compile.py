@@ -167,13 +167,16 @@ def test_mosaic_gpu_kernel_compiles_to_sass(rows):
 
 
 @needs_toolchain
-@pytest.mark.parametrize("label", ["mosaic_fp4_m1", "mosaic_fp4", "mosaic_fp4_m64", "mosaic_grouped"])
+@pytest.mark.parametrize(
+  "label", ["mosaic_fp4_m1", "mosaic_fp4", "mosaic_fp4_m64", "mosaic_grouped", "mosaic_grouped_down"]
+)
 def test_mosaic_fp4_kernel(rows, label):
   """The FP4 Mosaic kernel at decode (dense M = 1, 16 and 64, K = N = 8192; grouped: 64 tokens top-8 of
-  128 experts): one launch (no pad, no transpose, no scale multiply, no group metadata outside it), the
-  K loop's 512 / 16 = 32 HGMMA per warpgroup, and within the issue's budget of 2.5 instructions per
-  weight (today 2.48-2.50): 11 per 8 weights decode the codes, 4 multiplies apply the scales, 1.5 decode
-  them, then the HGMMA and its descriptor, and the loop's fixed cost (the cluster barrier's included).
+  128 experts, gate_up [1536, 2048] and down [2048, 768]): one launch (no pad, no transpose, no scale
+  multiply, no group metadata outside it), 32 HGMMA per warpgroup per K step (512 / 16; down: two 64-row
+  tiles x 256 / 16), and within the issue's budget of 2.5 instructions per weight (today 2.48-2.49): 11 per
+  8 weights decode the codes, 4 multiplies apply the scales, 1.5 decode them, then the HGMMA and its
+  descriptor, and the loop's fixed cost (the cluster barrier's included).
   x is read through L2 at most half the weight bytes: a cluster of block_m / 8 blocks shares each tile."""
   row = rows[label]
   assert row["launch_names"] == ["kCustomCall"]
