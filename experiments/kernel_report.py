@@ -208,7 +208,7 @@ def _engine_row(case: Case) -> dict:
   quant = QuantConfig(matmul_impl="mosaic")
   config = RolloutConfig(quant=quant)
   params = jax.eval_shape(
-    lambda: rollout.pack_fragments_once(rollout.weight_sync(model.init_params(cfg, jax.random.key(0)), quant))
+    lambda: rollout.weight_sync(model.init_params(cfg, jax.random.key(0)), quant, expert_layout="fragments")
   )
   b, slots = case.tokens, 1024
   caches = jax.eval_shape(lambda: rollout.init_cache(cfg, b, slots, quant, jnp.bfloat16, decoded=False))

@@ -19,7 +19,7 @@ from scipy import stats
 import pallas_kernels
 from tests.test_fp4 import torchao_ref
 from tests.tiny import tiny_model
-from trace_jax import cluster, experience, fp4, model, qat, quantizer, rollout
+from trace_jax import cluster, experience, fp4, model, qat, quantizer, rollout, sharding
 from trace_jax.config import (
   KEY,
   MOE_INPUT,
@@ -650,20 +650,22 @@ def _with_kernels_as_references(monkeypatch) -> list[str]:
 
 
 def test_engine_runs_the_mosaic_fragments_like_the_codes(monkeypatch):
-  # matmul_impl='mosaic' repacks the experts as wgmma fragments inside generate (the expert-parallel
-  # exchange included) and samples exactly what the codes layout (the Triton kernel's) samples.
+  # matmul_impl='mosaic' runs the experts as wgmma fragments, packed at weight sync or inside generate
+  # (the expert-parallel exchange included), and samples exactly what the codes layout (the Triton
+  # kernel's) samples; an engine synced as fragments runs on the Triton and CPU paths too.
   calls = _with_kernels_as_references(monkeypatch)
   params = jax.jit(model.init_params, static_argnums=0)(MOSAIC_CFG, jax.random.key(0))
-  engine = rollout.weight_sync(params, QUANT)
+  synced = {layout: rollout.weight_sync(params, QUANT, expert_layout=layout) for layout in ("codes", "fragments")}
   tokens = jax.random.randint(jax.random.key(1), (2, P), 3, MOSAIC_CFG.vocab_size)
   mask = jnp.ones_like(tokens)
   single = ExpertParallel(cluster.Topology.single_device().rollout, capacity_factor=1.0)
 
-  def run(impl, expert_parallel=None):
+  def run(impl, expert_parallel=None, synced_as="codes"):
     config = dataclasses.replace(FP4_FULL, quant=dataclasses.replace(QUANT, matmul_impl=impl), guided_layers=(0, 1))
-    assert rollout.expert_layout(config, MOSAIC_CFG) == {"mosaic": "fragments", "pallas": "codes"}[impl]
+    want = {"mosaic": "fragments", "pallas": "codes", "reference": "values"}[impl]
+    assert rollout.expert_layout(config, MOSAIC_CFG) == want
     return rollout.generate(
-      engine,
+      synced[synced_as],
       tokens,
       mask,
       jax.random.key(5),
@@ -677,15 +679,41 @@ def test_engine_runs_the_mosaic_fragments_like_the_codes(monkeypatch):
   codes = run("pallas")
   assert set(calls) == {"triton"}
   calls.clear()
-  for expert_parallel in (None, single):
-    fragments = run("mosaic", expert_parallel)
-    assert set(calls) == {"mosaic"}
+  runs = [("mosaic", None, "codes", {"mosaic"}), ("mosaic", single, "fragments", {"mosaic"})]
+  runs += [("pallas", None, "fragments", {"triton"}), ("reference", None, "fragments", set())]
+  for impl, expert_parallel, synced_as, kernels in runs:
+    other = run(impl, expert_parallel, synced_as)
+    assert set(calls) == kernels, (impl, synced_as)
     calls.clear()
     for name in ("tokens", "logprobs", "topk_ids", "codes"):
-      for a, b in zip(
-        jax.tree_util.tree_leaves(getattr(codes, name)), jax.tree_util.tree_leaves(getattr(fragments, name))
-      ):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+      for a, b in zip(jax.tree_util.tree_leaves(getattr(codes, name)), jax.tree_util.tree_leaves(getattr(other, name))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name} {impl} {synced_as}")
+
+
+def test_weight_sync_packs_fragments_for_the_mosaic_engine():
+  # Weight sync packs the experts for the Mosaic kernel where it quantizes them: gate and up as one
+  # weight, the same 4.5 bits per weight crossing meshes, sharded along the experts like the codes.
+  from pallas_kernels import fp4_mosaic
+
+  params = jax.jit(model.init_params, static_argnums=0)(MOSAIC_CFG, jax.random.key(0))
+  mesh = cluster.Topology.single_device().rollout
+  (codes, codes_bytes), (frags, frag_bytes) = (
+    cluster.make_weight_sync(QUANT, mesh, mesh, layout)(params) for layout in ("codes", "fragments")
+  )
+  assert frag_bytes == codes_bytes
+  moe_layer = next(i for i in range(MOSAIC_CFG.num_layers) if MOSAIC_CFG.is_moe_layer(i))
+  c, f = codes.layers[moe_layer].mlp, frags.layers[moe_layer].mlp
+  assert isinstance(f.gate, fp4_mosaic.FragmentWeight) and f.up is None
+  e, i, h = MOSAIC_CFG.num_experts, MOSAIC_CFG.moe_intermediate_size, MOSAIC_CFG.hidden_size
+  assert f.gate.shape == (e, 2 * i, h) and f.down.shape == (e, h, i)
+  back = rollout.with_expert_layout(frags, "codes", jnp.bfloat16).layers[moe_layer].mlp
+  np.testing.assert_array_equal(back.gate.codes, jnp.concatenate([c.gate.codes, c.up.codes], axis=1))
+  np.testing.assert_array_equal(back.down.codes, c.down.codes)
+  axes = sharding.logical_axes(frags).layers[moe_layer].mlp
+  assert axes.gate.words == jax.sharding.PartitionSpec("experts", "mlp", "packed", "packed", "packed")
+  assert axes.down.words == jax.sharding.PartitionSpec("experts", "embed", "packed", "packed", "packed")
+  with pytest.raises(ValueError, match="unknown expert_layout 'bogus'"):
+    rollout.weight_sync(params, QUANT, expert_layout="bogus")
 
 
 def test_expert_layout_follows_the_device_and_the_weights(monkeypatch):

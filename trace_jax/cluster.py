@@ -5,7 +5,8 @@ devices with different shapes, or disjoint devices as a disaggregated deployment
 how each lays out its routed experts. Weights go one way, results the other:
 
   trainer params --make_weight_sync--> EngineParams on the rollout mesh (packed FP4 experts and
-  bf16 rest cross; the quantization runs where the master weights live)
+  bf16 rest cross; the quantization, and the packing for the engine's kernel, run where the master
+  weights live)
   prompts --make_generate--> RolloutResult on the rollout mesh
   RolloutResult --to_trainer--> TrainBatch on the trainer mesh (tokens, log-probs, routing, guidance)
 
@@ -50,14 +51,15 @@ class Topology:
 
 
 @functools.cache  # one compiled function per mesh pair, like jax.jit's cache
-def make_weight_sync(quant: QuantConfig | None, trainer_mesh, rollout_mesh):
+def make_weight_sync(quant: QuantConfig | None, trainer_mesh, rollout_mesh, expert_layout: str = "codes"):
   """params -> (EngineParams on the rollout mesh, bytes that crossed meshes).
 
   `rollout.weight_sync` runs where the master weights live (the trainer mesh, FP4 experts packed
-  there), then only the engine's weights move: packed FP4 experts (4.5 bits per element) and bf16 rest.
+  there, as the engine's `rollout.expert_layout` wants them: the Mosaic kernel's fragments on
+  Hopper), then only the engine's weights move: packed FP4 experts (4.5 bits per element) and bf16 rest.
   """
   on_trainer = sharding.ShardedJit(
-    functools.partial(rollout.weight_sync, quant=quant),
+    functools.partial(rollout.weight_sync, quant=quant, expert_layout=expert_layout),
     in_shardings=lambda params: (sharding.logical_shardings(params, trainer_mesh),),
     out_shardings=lambda params, out_shape: sharding.logical_shardings(out_shape, trainer_mesh),
   )

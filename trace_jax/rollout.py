@@ -9,9 +9,9 @@ over the cached K/V with its own fp32 softmax.
 
 Where FP4 values are used. With a Pallas kernel (GPU) the packed experts are decoded inside
 the grouped matmul and the KV cache is decoded where attention reads it. On Hopper the experts
-are repacked once per `generate` (once per weight sync) as the Mosaic kernel's wgmma fragments
-(`expert_layout`, `pack_fragments_once`; pallas_kernels/fp4_mosaic.py), elsewhere the Triton
-kernel reads the codes and scales as stored. Where there is no FP4
+are packed at weight sync as the Mosaic kernel's wgmma fragments (`expert_layout`,
+`weight_sync(..., expert_layout='fragments')`; pallas_kernels/fp4_mosaic.py), elsewhere the Triton
+kernel reads the codes and scales as stored (`with_expert_layout` converts between the forms). Where there is no FP4
 arithmetic (`pallas_kernels.select_impl` gives 'reference': CPU, or matmul_impl='reference'),
 FP4 storage is decoded once instead of at every use: the experts once per `generate` (once per
 weight sync) and each K/V slot once, when it is written, into a cache of its decoded values kept
@@ -57,7 +57,7 @@ from trace_jax.sharding import param_field
 
 
 # Routed experts [E, N, K] as the engine holds them: codes + scales (weight sync), the Mosaic
-# kernel's fragments (repacked inside `generate` on Hopper) or values (decoded, or the BF16 engine).
+# kernel's fragments (packed at weight sync on Hopper) or values (decoded, or the BF16 engine).
 PackedExperts = fp4.QuantizedArray | pallas_kernels.mosaic.FragmentWeight | jax.Array
 
 
@@ -67,8 +67,10 @@ class EngineMoE:
   """Routed experts in the engine layout [E, N, K] (rows = outputs, blocks along K).
 
   gate/up: [E, I, H] and down: [E, H, I], as fp4.QuantizedArray (FP4 engine) or bf16 (the BF16
-  engine). Inside `generate` FP4 experts may change form (`expert_layout`): decoded once where
-  there is no FP4 matmul, repacked as the Mosaic kernel's fragments on Hopper.
+  engine); on Hopper FP4 experts are the Mosaic kernel's FragmentWeights, gate and up as one
+  [E, 2I, H] weight in `gate` (`weight_sync(..., expert_layout='fragments')`). `generate` brings
+  them to its backend's form (`expert_layout`, `with_expert_layout`): decoded once where there is
+  no FP4 matmul.
   """
 
   router: jax.Array = param_field("embed", None)
@@ -91,13 +93,20 @@ class EngineParams:
   lm_head: jax.Array = param_field("embed", "vocab")  # [H, V]
 
 
-def weight_sync(params: Params, quant: QuantConfig | None, dtype=jnp.bfloat16) -> EngineParams:
+def weight_sync(
+  params: Params, quant: QuantConfig | None, dtype=jnp.bfloat16, expert_layout: str = "codes"
+) -> EngineParams:
   """The engine's weights from the trainer's fp32 master weights (after every optimizer step).
 
   FP4 targets are quantized with RTN from the fp32 masters, blocks along the contraction
   axis, so their codes equal the trainer's fake-quant codes by construction; everything
-  else is cast to bf16.
+  else is cast to bf16. expert_layout (`expert_layout(...)` of the engine that will run them):
+  'fragments' packs the routed experts for the Mosaic kernel here, at weight sync, so that the
+  engine holds one copy of them; 'codes' and 'values' keep the codes and scales (an engine without
+  FP4 arithmetic decodes them once per `generate`: values would move 16 bits per weight, not 4.5).
   """
+  if expert_layout not in EXPERT_LAYOUTS:
+    raise ValueError(f"weight_sync: unknown expert_layout {expert_layout!r}; expected one of {EXPERT_LAYOUTS}.")
   cast = lambda t: jax.tree_util.tree_map(lambda a: a.astype(dtype), t)
   rtn = qat.QatContext(quant)  # RTN fake-quant, for targets the engine keeps as bf16 values
 
@@ -132,7 +141,8 @@ def weight_sync(params: Params, quant: QuantConfig | None, dtype=jnp.bfloat16) -
       engine_mlp = mlp(layer.mlp, "dense_mlp")
     layers.append(LayerParams(cast(layer.input_norm), attn, cast(layer.post_attn_norm), engine_mlp))
   lm_head = params.embed.T if params.lm_head is None else params.lm_head
-  return EngineParams(cast(params.embed), tuple(layers), cast(params.final_norm), cast(lm_head))
+  engine = EngineParams(cast(params.embed), tuple(layers), cast(params.final_norm), cast(lm_head))
+  return with_expert_layout(engine, "fragments", dtype) if expert_layout == "fragments" else engine
 
 
 # --- the packed-weight matmul (one entry point; the Pallas kernel plugs in here) ----------
@@ -163,6 +173,9 @@ def _decoded(w: fp4.QuantizedArray, dtype) -> jax.Array:
   return fp4.dequantize(w, dtype)
 
 
+EXPERT_LAYOUTS = ("values", "codes", "fragments")
+
+
 def expert_layout(rollout_config: RolloutConfig, model_config: ModelConfig) -> str:
   """How `generate` holds the packed routed experts: 'values' (decoded once: no FP4 arithmetic on
   this backend; the KV cache is then decoded once per slot too), 'codes' (the `QuantizedArray`s of weight sync: the Triton kernel) or 'fragments'
@@ -188,39 +201,39 @@ def expert_layout(rollout_config: RolloutConfig, model_config: ModelConfig) -> s
   return "codes"
 
 
-def pack_fragments_once(params: EngineParams) -> EngineParams:
-  """The engine's params with the packed routed experts as the Mosaic kernel's `FragmentWeight`s
-  (a permutation of the same codes and scales: the same values, 4.5 bits per weight). gate and up
-  become one weight [E, 2I, H] in `gate` (`up` None): one call reads x once for both."""
+def with_expert_layout(params: EngineParams, layout: str, dtype) -> EngineParams:
+  """The engine's params with their packed routed experts in `layout` (`expert_layout`), whichever
+  form they come in: 'values' decodes them (in `dtype`; see the module doc), 'codes' gives the
+  `QuantizedArray`s, 'fragments' the Mosaic kernel's `FragmentWeight`s, gate and up as one weight
+  [E, 2I, H] in `gate` (`up` None: one call reads x once for both). Codes and fragments are
+  permutations of the same 4.5 bits per weight (`pack_fragments` / `unpack_fragments`), with the
+  same values. bf16 experts (the BF16 engine) stay as they are ('values': cast to `dtype`)."""
+  mosaic = pallas_kernels.mosaic
 
-  def layer_(layer: LayerParams):
-    m = layer.mlp
-    if not isinstance(m, EngineMoE) or not isinstance(m.gate, fp4.QuantizedArray):
-      return layer
-    gate_up = jax.tree_util.tree_map(lambda g, u: jnp.concatenate([g, u], axis=1), m.gate, m.up)
-    pack = pallas_kernels.mosaic.pack_fragments
-    return dataclasses.replace(layer, mlp=dataclasses.replace(m, gate=pack(gate_up), up=None, down=pack(m.down)))
+  def codes(w):
+    return mosaic.unpack_fragments(w) if isinstance(w, mosaic.FragmentWeight) else w
 
-  return dataclasses.replace(params, layers=tuple(layer_(layer) for layer in params.layers))
+  def convert(m: EngineMoE) -> EngineMoE:
+    if not isinstance(m.gate, (fp4.QuantizedArray, mosaic.FragmentWeight)):  # bf16 experts
+      cast = lambda w: None if w is None else w.astype(dtype)
+      return dataclasses.replace(m, gate=cast(m.gate), up=cast(m.up), down=cast(m.down)) if layout == "values" else m
+    if layout == "fragments":
+      if isinstance(m.gate, mosaic.FragmentWeight):
+        return m
+      gate_up = jax.tree_util.tree_map(lambda g, u: jnp.concatenate([g, u], axis=1), m.gate, m.up)
+      return dataclasses.replace(m, gate=mosaic.pack_fragments(gate_up), up=None, down=mosaic.pack_fragments(m.down))
+    gate, up, down = (None if w is None else codes(w) for w in (m.gate, m.up, m.down))
+    if layout == "values":
+      gate, up, down = (None if w is None else _decoded(w, dtype) for w in (gate, up, down))
+    return dataclasses.replace(m, gate=gate, up=up, down=down)
 
-
-def decode_once(params: EngineParams, dtype) -> EngineParams:
-  """The engine's params with packed routed experts decoded to values in `dtype` (see the module
-  doc). Experts stay in the compute dtype, not the fp32 carrier: a decode step streams every
-  expert's weights, and bf16 halves those bytes (the batched matmul reads bf16 natively)."""
-
-  def decode(w):
-    return _decoded(w, dtype) if isinstance(w, fp4.QuantizedArray) else w.astype(dtype)
-
-  def layer_(layer: LayerParams):
-    if not isinstance(layer.mlp, EngineMoE):
-      return layer
-    m = layer.mlp
-    return dataclasses.replace(
-      layer, mlp=dataclasses.replace(m, gate=decode(m.gate), up=decode(m.up), down=decode(m.down))
-    )
-
-  return dataclasses.replace(params, layers=tuple(layer_(layer) for layer in params.layers))
+  if layout not in EXPERT_LAYOUTS:
+    raise ValueError(f"with_expert_layout: unknown layout {layout!r}; expected one of {EXPERT_LAYOUTS}.")
+  layers = (
+    dataclasses.replace(layer, mlp=convert(layer.mlp)) if isinstance(layer.mlp, EngineMoE) else layer
+    for layer in params.layers
+  )
+  return dataclasses.replace(params, layers=tuple(layers))
 
 
 # --- the KV cache -------------------------------------------------------------------------
@@ -646,10 +659,7 @@ def generate(
   prompt_len = jnp.sum(prompt_mask, axis=1)
 
   layout = expert_layout(rollout_config, model_config)
-  if layout == "values":
-    params = decode_once(params, st.dtype)
-  elif layout == "fragments":
-    params = pack_fragments_once(params)
+  params = with_expert_layout(params, layout, st.dtype)  # a no-op when weight sync gave this layout
   caches = init_cache(model_config, b, total, rollout_config.quant, st.dtype, decoded=layout == "values")
   buffers = _record_buffers(st, b, total)
   topk_buf = tuple(

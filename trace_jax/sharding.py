@@ -28,6 +28,7 @@ from absl import logging
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import fp4_mosaic
 from trace_jax import fp4
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
@@ -134,10 +135,15 @@ def logical_axes(tree, axes: tuple | None = None):
   """A tree mirroring `tree` (dataclasses declared with `param_field`) with P(logical axes) leaves.
 
   Packed FP4 arrays get their field's axes on codes and scales, the last one 'packed'; a tensor
-  scale per row (two-level NVFP4 of a KV cache) the axes of the rows.
+  scale per row (two-level NVFP4 of a KV cache) the axes of the rows. The Mosaic kernel's fragments
+  (words [E, N/64, K/128, 9, 128]) get the experts' and the rows' axes, the rest 'packed'.
   """
   if tree is None:
     return None
+  if isinstance(tree, fp4_mosaic.FragmentWeight):
+    lead, packed = axes[: tree.words.ndim - 4], ("packed",) * 3
+    ts = tree.tensor_scale
+    return fp4_mosaic.FragmentWeight(P(*lead, axes[-2], *packed), None if ts is None else P(*lead[: ts.ndim]))
   if isinstance(tree, fp4.QuantizedArray):
     packed = P(*axes[:-1], "packed")
     ts = tree.tensor_scale

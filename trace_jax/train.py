@@ -113,7 +113,9 @@ def evaluate(params, run: RunConfig, quant: QuantConfig | None, tokenizer, sourc
   batcher = data.PromptBatcher(source, tokenizer, n, run.data.max_prompt_len, seed=0, shuffle=False)
   b = batcher.batch_at(0)
   greedy = dataclasses.replace(run.sampling, temperature=0.0)
-  engine_params, _ = cluster.make_weight_sync(quant, topology.trainer, topology.rollout)(params)
+  engine_config = rollout.RolloutConfig(quant=quant)
+  layout = rollout.expert_layout(engine_config, run.model)
+  engine_params, _ = cluster.make_weight_sync(quant, topology.trainer, topology.rollout, layout)(params)
   host = (b.tokens, b.mask)
   prompts, mask = sharding.host_to_global(host, sharding.batch_shardings(host, topology.rollout))
   res = cluster.make_generate(topology.rollout)(
@@ -123,7 +125,7 @@ def evaluate(params, run: RunConfig, quant: QuantConfig | None, tokenizer, sourc
     rng,
     None,
     model_config=run.model,
-    rollout_config=rollout.RolloutConfig(quant=quant),
+    rollout_config=engine_config,
     sampling=greedy,
     expert_parallel=topology.rollout_expert_parallel,
   )
@@ -163,7 +165,12 @@ class RLStep:
     return cls(
       run=run,
       topology=topology,
-      sync=cluster.make_weight_sync(run.mode.rollout.quant, topology.trainer, topology.rollout),
+      sync=cluster.make_weight_sync(
+        run.mode.rollout.quant,
+        topology.trainer,
+        topology.rollout,
+        rollout.expert_layout(run.mode.rollout, run.model),
+      ),
       update=trainer.make_rl_step(run, optimizer, mesh=mesh, expert_parallel=expert_parallel),
       logprobs=trainer.make_rl_logprobs(run, mesh=mesh, expert_parallel=expert_parallel),
       take_rows=trainer.make_take_rows(mesh),
