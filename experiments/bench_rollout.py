@@ -144,8 +144,9 @@ def main(argv=None):
   )
 
   def ours(params, quant, dtype="bfloat16"):
-    engine = rollout.weight_sync(params, quant, jnp.dtype(dtype))
     rollout_config = RolloutConfig(quant=quant, compute_dtype=dtype)
+    layout = rollout.expert_layout(rollout_config, config)  # synced as the engine runs them, as train.py does
+    engine = rollout.weight_sync(params, quant, jnp.dtype(dtype), expert_layout=layout)
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0.0, eos_id=-1)  # no EOS
 
     def run(prompts, new_tokens=None):

@@ -486,6 +486,7 @@ SMS = 132
 
 
 def default_tiles(m: int, k: int, n: int = 0, experts: int = 1) -> MosaicTiles:
+  # experts: how many weights [N, K] the call streams (the experts with rows, at most)
   """block_m: M rounded up to 16..64 (wgmma's N). block_k: the largest of 512, 384, 256, 128 that
   divides K in 2 steps or more (the loop's fixed cost is spread over more weights; 768 spills, its 48
   wgmmas' descriptors move out of the uniform registers; a single step leaves nothing to pipeline).
@@ -515,11 +516,14 @@ def default_grouped_tiles(m: int, num_experts: int, k: int, n: int = 0) -> Mosai
   than block_m (which takes another pass, streaming its expert's tile again) is rare: at 256 tokens
   top-8 of 128 experts the groups are 16 +- 4 rows. The cluster spans row units of one expert.
   tiles_per_block: up to 4 of an expert's row units per block, chained, while the grid keeps
-  WAVES blocks per SM: a block's first copies wait for HBM once, not once per unit."""
-  tiles = default_tiles(16 if m <= 8 * num_experts else 32, k, n, num_experts)
+  WAVES blocks per SM: a block's first copies wait for HBM once, not once per unit. Only blocks of
+  experts with rows stream anything, so the grid counted is theirs: at most M experts (one token's
+  top-8 at decode keeps one 64-row tile per block, 256 blocks at N = 2048)."""
+  active = min(num_experts, m)  # experts with rows, at most
+  tiles = default_tiles(16 if m <= 8 * num_experts else 32, k, n, active)
   units = n // ROWS // tiles.row_tiles
   per_block = next(
-    (t for t in (4, 2) if n and units % (t * tiles.cluster) == 0 and num_experts * units // t >= WAVES * SMS), 1
+    (t for t in (4, 2) if n and units % (t * tiles.cluster) == 0 and active * units // t >= WAVES * SMS), 1
   )
   return dataclasses.replace(tiles, tiles_per_block=per_block)
 

@@ -120,6 +120,9 @@ def test_default_grouped_tiles_chain_up_to_4_tiles_while_2_blocks_per_sm_remain(
   assert fm.default_grouped_tiles(64 * 8, 128, 768, 2048) == fm.MosaicTiles(16, 256, 3, 2, 4, row_tiles=2)
   assert fm.default_grouped_tiles(256 * 8, 128, 768, 2048) == fm.MosaicTiles(32, 256, 3, 4, 4, row_tiles=2)
   assert fm.default_tiles(16, 768, 2048).row_tiles == 1  # dense: 32 blocks for 132 SMs already
+  # One token (8 rows, 8 experts with rows): only their blocks stream, one 64-row tile each.
+  assert fm.default_grouped_tiles(8, 128, 768, 2048) == fm.MosaicTiles(16, 384, 2, 2, tiles_per_block=1)
+  assert fm.default_grouped_tiles(8, 128, 2048, 1536).tiles_per_block == 1
   assert fm.default_grouped_tiles(20, 6, 256, 128).tiles_per_block == 1  # 12 blocks: fewer than 2 per SM already
 
 
