@@ -30,9 +30,9 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     A negative scale flips its block's code signs (same values).
   * Codes and scales travel as one int32 stream (`FragmentWeight.words`): one copy per pipeline
     step, issued by a producer warpgroup, so that the consumer's loop only decodes and multiplies.
-  * x's tiles are shared by a cluster of block_m / 8 blocks (consecutive 64-row tiles of one
-    expert): the copy engine multicasts each tile, so that x's reads through L2 stay under half
-    the weight bytes (`default_tiles`).
+  * x's tiles can be shared by a cluster of blocks (consecutive 64-row tiles of one expert): the
+    copy engine multicasts each tile (`MosaicTiles.cluster`). Off by default: on an H200 it made
+    every call slower (`default_tiles`).
   * A block's items (an x tile of its expert's rows x one of its 64-row weight tiles) run one
     pipeline each, chained (Pallas' pipeline of pipelines), so that the producer fetches the next
     item while the consumer finishes this one: a grouped block takes up to 4 tiles
@@ -45,6 +45,16 @@ experiments/kernel_report.py counts the compiled loop (pallas_kernels/gpu_compil
 for sm_90a without a GPU): 2.48-2.49 SASS instructions per weight, against 6.6
 for the Pallas-Triton kernel. The rollout engine runs it on Hopper (rollout.expert_layout);
 `unpack_fragments` inverts the packing, for the jnp reference.
+
+Measured on an H200 (jax 0.11.2; docs/gpu_check/h200-2026-12-04-*.json): the kernel matches its
+references (every GPU test here passes), but it is far from the memory roofline. K = N = 8192 at the
+default tiles: 62.5 us at M = 1 (600 GB/s of FP4 bytes), 63.6 us at M = 8, 68 us at M = 64,
+against 71-93 us for XLA's bf16 dot (1.1-1.4x, not the 3x the instruction count predicted). With the
+decode replaced by register moves (same copies, same MMAs) M = 8 takes 61.5 us: the decode is not
+what bounds it. Each 512-wide step takes about 3.7 us per block whatever block_k and the slots are,
+which points at the step's serial chain (copies in, 32 dependent wgmmas on one accumulator, the
+wait) rather than at bandwidth or issue. `MosaicTiles.overlap` (the decode of a step overlapping
+the previous step's MMAs) gave 48.9 us at M = 1 but no gain at M = 8 in the same run.
 
 CPU: the kernel needs an sm_90 GPU (Mosaic GPU has no interpret mode for inline Mosaic code); the
 packing and a numpy emulation of the register decode (`decode_fragments_numpy`, instruction by
@@ -472,10 +482,10 @@ class MosaicTiles:
   cluster: int = 1  # blocks of consecutive 64-row tiles (one expert's) that share each x tile: TMA multicast
   tiles_per_block: int = 1  # row units (below) a block computes one after the other (chained pipelines)
   row_tiles: int = 1  # 64-row weight tiles each pipeline step decodes and multiplies by its one x tile (a row unit)
+  overlap: bool = False  # a step's decode overlaps the previous step's MMAs (its slot is released a step later)
 
 
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: the pipeline's slots
-MAX_CLUSTER = 8  # the portable cluster size
 
 
 # The producer warpgroup's registers (setmaxnreg): the consumer gets min(256, 512 - this), 256 either way;
@@ -486,8 +496,7 @@ SMS = 132
 
 
 def default_tiles(m: int, k: int, n: int = 0, experts: int = 1) -> MosaicTiles:
-  # experts: how many weights [N, K] the call streams (the experts with rows, at most)
-  """block_m: M rounded up to 16..64 (wgmma's N). block_k: the largest of 512, 384, 256, 128 that
+  """Tiles for x [M, K] times `experts` weights [N, K] (the experts with rows, at most). block_m: M rounded up to 16..64 (wgmma's N). block_k: the largest of 512, 384, 256, 128 that
   divides K in 2 steps or more (the loop's fixed cost is spread over more weights; 768 spills, its 48
   wgmmas' descriptors move out of the uniform registers; a single step leaves nothing to pipeline).
   Below 512, a step of 256 on two 64-row tiles (row_tiles 2: one x tile, 16 descriptors, for both)
@@ -495,8 +504,10 @@ def default_tiles(m: int, k: int, n: int = 0, experts: int = 1) -> MosaicTiles:
   weight against 2.55 for one tile at 384 (two tiles at 384 copy their 24 descriptors: 2.54; at 512
   they spill).
   As many pipeline slots (up to 4) as fit and divide the steps (chained pipelines): 2 at block_m = 64.
-  cluster: block_m / 8 blocks share each x tile (a power of two dividing the row units, at most 8), so
-  that x's reads from L2 stay under half the weight bytes (block_m x 2 bytes per K against 64 x 0.5625)."""
+  cluster 1: no x multicast. Measured on an H200 (docs/gpu_check/h200-2026-12-04-mosaic_variants.json),
+  multicast to a cluster of block_m / 8 blocks made every call slower, though it cuts x's reads
+  through L2 to under half the weight bytes: K = N = 8192, M = 1: 88.7 us against 62.5 us; M = 64
+  (cluster 8): 274 us against 68 us; grouped gate_up, 64 tokens: 414 us against 186 us."""
   block_m = max(16, min(_next_power_of_2(m), 64))
   block_k = next((b for b in (512, 384, 256, SCALE_GROUP_K) if k % b == 0 and k // b >= 2), SCALE_GROUP_K)
   row_tiles, n_tiles = 1, n // ROWS
@@ -505,10 +516,7 @@ def default_tiles(m: int, k: int, n: int = 0, experts: int = 1) -> MosaicTiles:
   step_bytes = block_m * block_k * 2 + row_tiles * block_k * ROWS * 9 // 16
   fit = SMEM_BUDGET // step_bytes
   slots = next(s for s in (4, 3, 2, 1) if s <= fit and (k // block_k) % s == 0)  # chained pipelines: s | steps
-  cluster = min(block_m // 8, MAX_CLUSTER)
-  while n and (n_tiles // row_tiles) % cluster:
-    cluster //= 2
-  return MosaicTiles(block_m, block_k, max_concurrent_steps=slots, cluster=cluster if n else 1, row_tiles=row_tiles)
+  return MosaicTiles(block_m, block_k, max_concurrent_steps=slots, cluster=1, row_tiles=row_tiles)
 
 
 def default_grouped_tiles(m: int, num_experts: int, k: int, n: int = 0) -> MosaicTiles:
@@ -586,6 +594,11 @@ def grouped_fp4_matmul_mosaic(
       f"grouped_fp4_matmul_mosaic: tiles.cluster x tiles.tiles_per_block x tiles.row_tiles = {tiles.cluster} x "
       f"{tiles.tiles_per_block} x {tiles.row_tiles} does not divide N / 64 = {n // ROWS}."
     )
+  if tiles.overlap and (tiles.tiles_per_block > 1 or m > tiles.block_m or tiles.row_tiles > 1):
+    raise ValueError(
+      "grouped_fp4_matmul_mosaic: tiles.overlap needs one item per block (tiles_per_block = 1, row_tiles = 1, "
+      f"M <= block_m; got {tiles}, M = {m}): Pallas' chained pipelines do not take delay_release."
+    )
   if (k // tiles.block_k) % tiles.max_concurrent_steps:
     raise ValueError(
       f"grouped_fp4_matmul_mosaic: tiles.max_concurrent_steps = {tiles.max_concurrent_steps} must divide the "
@@ -627,7 +640,9 @@ def grouped_fp4_matmul_mosaic(
     def body(_, x_smem, words_smem, accs):
       for decode_tile, acc_ref in zip(decode, accs):  # one x tile for the unit's row tiles
         plgpu.wgmma(acc_ref, decode_tile(words_smem), plgpu.transpose_ref(x_smem, (1, 0)))
-        plgpu.wgmma_wait(0)  # the decoded registers are free again
+        # the decoded registers are free again once their MMAs are done: now, or (overlap) after the next
+        # step's decode, when the pipeline releases this step's slot (delay_release=1)
+        plgpu.wgmma_wait(1 if tiles.overlap else 0)
       return accs
 
     def pipeline(compute_context, row0, unit, state):
@@ -641,8 +656,13 @@ def grouped_fp4_matmul_mosaic(
             lambda kk: (row0, kk),
             transforms=x_transforms,
             collective_axes=("cn",) if tiles.cluster > 1 else (),
+            delay_release=int(tiles.overlap),
           ),
-          plgpu.BlockSpec((row_tiles, block_k // SCALE_GROUP_K, 9, THREADS), lambda kk: (unit, kk, 0, 0)),
+          plgpu.BlockSpec(
+            (row_tiles, block_k // SCALE_GROUP_K, 9, THREADS),
+            lambda kk: (unit, kk, 0, 0),
+            delay_release=int(tiles.overlap),
+          ),
         ],
         wg_axis="wg",
         num_compute_wgs=1,
@@ -671,6 +691,8 @@ def grouped_fp4_matmul_mosaic(
         @functools.partial(pl.run_scoped, accs=[plgpu.ACC((ROWS, block_m), jnp.float32)] * row_tiles)
         def _(accs):
           eval_pipeline(accs)
+          if tiles.overlap:
+            plgpu.wgmma_wait(0)
           row0, unit = where(item)  # after the loop: fewer values live through it
           lo = jnp.maximum(start - row0, 0)
           hi = jnp.minimum(jnp.minimum(start + size, m) - row0, block_m)

@@ -97,31 +97,29 @@ def test_passes_counts_the_x_tiles_a_group_touches():
 @pytest.mark.parametrize(
   "m, k, n, want",
   [
-    (1, 8192, 8192, fm.MosaicTiles(16, 512, 4, cluster=2)),
-    (16, 8192, 8192, fm.MosaicTiles(16, 512, 4, cluster=2)),
-    (32, 8192, 8192, fm.MosaicTiles(32, 512, 4, cluster=4)),
-    (64, 8192, 8192, fm.MosaicTiles(64, 512, 2, cluster=8)),  # x's 64 KB per step leave room for 2 slots
-    (16, 768, 2048, fm.MosaicTiles(16, 384, 2, cluster=2)),  # 2 steps: the slots divide them (chained pipelines)
-    (64, 256, 192, fm.MosaicTiles(64, 128, 2, cluster=1)),  # 3 row tiles: no cluster divides them; 2 steps of 128
-    (32, 128, 128, fm.MosaicTiles(32, 128, 1, cluster=2)),
+    (1, 8192, 8192, fm.MosaicTiles(16, 512, 4)),
+    (16, 8192, 8192, fm.MosaicTiles(16, 512, 4)),
+    (32, 8192, 8192, fm.MosaicTiles(32, 512, 4)),
+    (64, 8192, 8192, fm.MosaicTiles(64, 512, 2)),  # x's 64 KB per step leave room for 2 slots
+    (16, 768, 2048, fm.MosaicTiles(16, 384, 2)),  # 2 steps: the slots divide them (chained pipelines)
+    (64, 256, 192, fm.MosaicTiles(64, 128, 2)),  # 2 steps of 128
+    (32, 128, 128, fm.MosaicTiles(32, 128, 1)),
   ],
 )
 def test_default_tiles(m, k, n, want):
-  # x's bytes read through L2 (block_m x 2 per K, once per cluster) stay under half the weights' (64 x 0.5625).
-  tiles = fm.default_tiles(m, k, n)
-  assert tiles == want
-  assert (tiles.block_m * 2 / tiles.cluster) / (fm.ROWS * 0.5625) <= 0.5 or (n // fm.ROWS) % (2 * tiles.cluster)
+  # No x multicast by default (cluster 1): measured slower on an H200 (see default_tiles).
+  assert fm.default_tiles(m, k, n) == want
 
 
 def test_default_grouped_tiles_chain_up_to_4_tiles_while_2_blocks_per_sm_remain():
-  assert fm.default_grouped_tiles(64 * 8, 128, 2048, 1536) == fm.MosaicTiles(16, 512, 4, cluster=2, tiles_per_block=4)
-  assert fm.default_grouped_tiles(256 * 8, 128, 2048, 1536) == fm.MosaicTiles(32, 512, 4, 4, tiles_per_block=2)
+  assert fm.default_grouped_tiles(64 * 8, 128, 2048, 1536) == fm.MosaicTiles(16, 512, 4, tiles_per_block=4)
+  assert fm.default_grouped_tiles(256 * 8, 128, 2048, 1536) == fm.MosaicTiles(32, 512, 4, tiles_per_block=4)
   # down [2048, 768]: steps of 256 on two 64-row tiles (3 steps, 3 slots) instead of one tile at 384
-  assert fm.default_grouped_tiles(64 * 8, 128, 768, 2048) == fm.MosaicTiles(16, 256, 3, 2, 4, row_tiles=2)
-  assert fm.default_grouped_tiles(256 * 8, 128, 768, 2048) == fm.MosaicTiles(32, 256, 3, 4, 4, row_tiles=2)
+  assert fm.default_grouped_tiles(64 * 8, 128, 768, 2048) == fm.MosaicTiles(16, 256, 3, 1, 4, row_tiles=2)
+  assert fm.default_grouped_tiles(256 * 8, 128, 768, 2048) == fm.MosaicTiles(32, 256, 3, 1, 4, row_tiles=2)
   assert fm.default_tiles(16, 768, 2048).row_tiles == 1  # dense: 32 blocks for 132 SMs already
   # One token (8 rows, 8 experts with rows): only their blocks stream, one 64-row tile each.
-  assert fm.default_grouped_tiles(8, 128, 768, 2048) == fm.MosaicTiles(16, 384, 2, 2, tiles_per_block=1)
+  assert fm.default_grouped_tiles(8, 128, 768, 2048) == fm.MosaicTiles(16, 384, 2, tiles_per_block=1)
   assert fm.default_grouped_tiles(8, 128, 2048, 1536).tiles_per_block == 1
   assert fm.default_grouped_tiles(20, 6, 256, 128).tiles_per_block == 1  # 12 blocks: fewer than 2 per SM already
 
@@ -226,9 +224,11 @@ def test_kernel_matches_reference(m, tensor_amax):
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
   amax = None if tensor_amax is None else jnp.float32(tensor_amax)
   w = fp4.quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32), "nvfp4", tensor_amax=amax)
-  got = fm.fp4_matmul_mosaic(x, fm.pack_fragments(w), out_dtype=jnp.float32)
   want = dense.fp4_matmul_reference(x, w, out_dtype=jnp.float32)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  overlap = fm.MosaicTiles(16, 256, 4, overlap=True) if m <= 16 else fm.MosaicTiles(64, 256, 2, overlap=True)
+  for tiles in (None, overlap):  # overlap: a step's decode runs while the previous step's MMAs do
+    got = fm.fp4_matmul_mosaic(x, fm.pack_fragments(w), tiles=tiles, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels need an sm_90 GPU (the layout is tested above)")
@@ -296,6 +296,8 @@ def test_grouped_kernel_rejects_bad_calls():
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, cluster=2))
   with pytest.raises(ValueError, match="= 1 x 1 x 2 does not divide N / 64 = 1"):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, row_tiles=2))
+  with pytest.raises(ValueError, match="overlap needs one item per block"):  # 24 rows: two passes
+    fm.grouped_fp4_matmul_mosaic(jnp.ones((24, 128), jnp.bfloat16), jnp.array([24, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, overlap=True))
   with pytest.raises(ValueError, match="max_concurrent_steps = 4 must divide the 1 steps"):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 4))
 
@@ -311,11 +313,12 @@ def test_grouped_kernel_matches_reference(per_expert_scale):
   x = jnp.asarray(rng.standard_normal((56, k)), jnp.bfloat16)
   want = grouped.grouped_fp4_matmul_reference(x, sizes, w, out_dtype=jnp.float32)
   packed = fm.pack_fragments(w)
-  # the defaults (one tile per block, a cluster of 2), 2 chained tiles per block, no cluster, and both
+  # the defaults (one tile per block), x multicast to a cluster of 2, 2 chained tiles per block, and both
   # 64-row tiles in each step (one x tile for two weight tiles)
   for tiles in (
     None,
-    fm.MosaicTiles(16, 256, 2, cluster=1, tiles_per_block=2),
+    fm.MosaicTiles(16, 256, 2, cluster=2),
+    fm.MosaicTiles(16, 256, 2, tiles_per_block=2),
     fm.MosaicTiles(32, 128, 4),
     fm.MosaicTiles(16, 256, 2, row_tiles=2),
   ):

@@ -172,18 +172,18 @@ def test_mosaic_fp4_kernel(rows, label):
   """The FP4 Mosaic kernel at decode (the issue's shapes: dense M = 1, 8, 16 and 64, K = N = 8192; grouped:
   64 and 256 tokens top-8 of 128 experts, gate_up [1536, 2048] and down [2048, 768]): one launch (no pad, no transpose, no scale
   multiply, no group metadata outside it), 32 HGMMA per warpgroup per K step (512 / 16; down: two 64-row
-  tiles x 256 / 16), and within the issue's budget of 2.5 instructions per weight (today 2.48-2.49): 11 per
+  tiles x 256 / 16), and within the issue's budget of 2.5 instructions per weight (today 2.46-2.48): 11 per
   8 weights decode the codes, 4 multiplies apply the scales, 1.5 decode them, then the HGMMA and its
-  descriptor, and the loop's fixed cost (the cluster barrier's included).
-  x is read through L2 at most half the weight bytes: a cluster of block_m / 8 blocks shares each tile."""
+  descriptor, and the loop's fixed cost. Issue time stays under memory time in the roofline model. The
+  model's speedup is not asserted: on an H200 the kernel measured 1.1-1.4x XLA's bf16 dot at these dense
+  shapes, bounded by neither (README, "Measured on an H200")."""
   row = rows[label]
   assert row["launch_names"] == ["kCustomCall"]
   assert row["loop_mmas"] == 32 and row["spill_bytes"] == 0
   assert row["instructions_per_weight"] <= 2.5 and row["within_budget"]
   assert row["instructions_per_weight"] < rows["mosaic_int8"]["instructions_per_weight"] / 1.6
-  assert row["predicted_speedup"] >= 2.5  # memory-bound in the roofline model (issue time < memory time)
   assert row["roofline_us"]["issue"] < row["roofline_us"]["memory"]
-  assert row["x_l2_over_weights"] <= 0.5 and row["tiles"]["cluster"] == row["tiles"]["block_m"] // 8
+  assert row["tiles"]["cluster"] == 1  # no x multicast: measured slower on an H200
   if row["experts"]:  # each expert with rows streamed once, none without
     assert row["expert_streams"] == row["experts_with_rows"] == {64: 126, 256: 128}[row["tokens"]]
 
