@@ -707,6 +707,8 @@ def test_weight_sync_packs_fragments_for_the_mosaic_engine():
   back = rollout.with_expert_layout(frags, "codes", jnp.bfloat16).layers[moe_layer].mlp
   np.testing.assert_array_equal(back.gate.codes, jnp.concatenate([c.gate.codes, c.up.codes], axis=1))
   np.testing.assert_array_equal(back.down.codes, c.down.codes)
+  again = rollout.with_expert_layout(rollout.with_expert_layout(frags, "codes", jnp.bfloat16), "fragments", None)
+  np.testing.assert_array_equal(again.layers[moe_layer].mlp.gate.words, f.gate.words)  # fused codes pack as they are
   values = [rollout.with_expert_layout(e, "values", jnp.bfloat16).layers[moe_layer].mlp for e in (codes, frags)]
   np.testing.assert_array_equal(values[1].gate, jnp.concatenate([values[0].gate, values[0].up], axis=1))
   np.testing.assert_array_equal(values[1].down, values[0].down)
