@@ -51,15 +51,18 @@ def is_hopper() -> bool:
   return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
-def select_impl(impl: Impl, op: str = "packed_matmul") -> str:
+def select_impl(impl: Impl, op: str = "packed_matmul", mosaic_kernel: bool = True) -> str:
   """'mosaic', 'pallas' (Triton) or 'reference' for `impl`; 'auto': the Mosaic kernel on Hopper, the
   Triton one on other GPUs, the reference elsewhere. (Callers whose weights the Mosaic kernel cannot
-  take, see `fp4_mosaic.unsupported`, fall back to the Triton kernel.)"""
+  take, see `fp4_mosaic.unsupported`, fall back to the Triton kernel; mosaic_kernel=False: an op that
+  has none, where 'auto' and 'mosaic' mean the Triton kernel.)"""
   if impl not in IMPLS:
     raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}.")
   backend = jax.default_backend()
   if impl == "auto":
     impl = ("mosaic" if is_hopper() else "pallas") if backend == "gpu" else "reference"
+  if impl == "mosaic" and not mosaic_kernel:
+    impl = "pallas"
   _log_selection(op, impl, backend)
   return impl
 
@@ -84,7 +87,7 @@ def packed_matmul(
   out_dtype = x.dtype if out_dtype is None else out_dtype
   rows = x.reshape(-1, x.shape[-1])
   common = dict(quantize_activations=quantize_activations, activation_format=activation_format, out_dtype=out_dtype)
-  if select_impl(impl, op) != "reference":  # the Triton kernel (a QuantizedArray)
+  if select_impl(impl, op, mosaic_kernel=False) != "reference":  # the Triton kernel (a QuantizedArray)
     out = dense.fp4_matmul(rows, w, **common, **kernel_options)
   else:
     out = dense.fp4_matmul_reference(rows, w, **common)

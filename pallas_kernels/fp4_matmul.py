@@ -26,9 +26,12 @@ Kernel design (Pallas, Triton lowering on GPU; the same kernel runs in interpret
     (times a power of two) is exact in bf16 and the MMA runs bf16 x bf16 -> f32 with no rounding of
     the weight. The power of two and the NVFP4 tensor scale multiply the float32 accumulator once
     at the end instead of every weight.
-  * M needs no padding: the last m tile's block reaches past x's rows and Pallas masks its loads
-    and stores (an XLA pad was one more launch per call at decode). N and K must be multiples of
-    block_n / block_k (a ValueError says which).
+  * M needs no padding: the last m tile's block reaches past x's rows, and the kernel masks its
+    loads and stores there itself (an XLA pad was one more launch per call at decode). Pallas'
+    Triton lowering masks nothing on its own: without the mask, the compiled kernel read past x and
+    wrote past out, and with split-K into the next split's partial sums (relative error 0.6-0.7 at
+    M = 1 and 8 on an H200; interpret mode pads blocks, so CPU never showed it). N and K must be
+    multiples of block_n / block_k (a ValueError says which).
   * Activation quantization (W4A4) runs as a jnp prologue, `fp4.dequantize(fp4.quantize(x))`, that
     XLA fuses into one pass over x: bit-identical to the rollout's RTN quantizer by construction,
     and its values are again exact in bf16.
@@ -365,19 +368,34 @@ def jit_kernel(fn):
 # --- dense kernel -------------------------------------------------------------------------------
 
 
-def _fp4_matmul_kernel(x_ref, codes_ref, scales_ref, *rest, fmt: fp4.Fp4Format, tiles: Tiles, k_tiles_per_split: int):
+def _fp4_matmul_kernel(
+  x_ref, codes_ref, scales_ref, *rest, fmt: fp4.Fp4Format, tiles: Tiles, k_tiles_per_split: int, num_rows: int
+):
   *tensor_scale_ref, out_ref = rest
+  # The Triton lowering does not mask a block that reaches past the array: rows >= num_rows of the
+  # last m tile must be masked here (loads read past x, stores would write past out or, with split
+  # K, into the next split's partial sums).
+  ragged = num_rows % tiles.block_m != 0
+  rows = pl.program_id(0) * tiles.block_m + jnp.arange(tiles.block_m, dtype=jnp.int32)
+  valid = (rows < num_rows)[:, None]
 
   def load(k_tile):
     xs, cs, ss = k_slices(k_tile, tiles.block_k, fmt.block_size)
-    return x_ref[:, xs], codes_ref[:, cs], scales_ref[:, ss]
+    if ragged:
+      x = plgpu.load(x_ref.at[:, xs], mask=jnp.broadcast_to(valid, (tiles.block_m, tiles.block_k)), other=0)
+    else:
+      x = x_ref[:, xs]
+    return x, codes_ref[:, cs], scales_ref[:, ss]
 
   acc = jnp.zeros((tiles.block_m, tiles.block_n), jnp.float32)
   acc = accumulate(load, pl.program_id(2) * k_tiles_per_split, k_tiles_per_split, acc, fmt, tiles)
   acc = acc * 2.0 ** weight_exponent_offset(fmt)
   if tensor_scale_ref:
     acc = acc * tensor_scale_ref[0][0, 0]
-  out_ref[...] = acc.astype(out_ref.dtype)
+  if ragged:
+    plgpu.store(out_ref, acc.astype(out_ref.dtype), mask=jnp.broadcast_to(valid, acc.shape))
+  else:
+    out_ref[...] = acc.astype(out_ref.dtype)
 
 
 @jit_kernel
@@ -430,8 +448,8 @@ def fp4_matmul(
     num_stages=num_stages,
     ptx_decode=ptx_decode,
   )
-  # M is not padded (no extra launch): the last m tile's block reaches past x's rows, Pallas masks
-  # its loads and stores, and a row of x only reaches its own output row.
+  # M is not padded (no extra launch): the last m tile's block reaches past x's rows, the kernel
+  # masks its loads and stores (`num_rows`), and a row of x only reaches its own output row.
   x = prepare_activations(x, quantize_activations, activation_format, w.fmt)
   m_tiles = pl.cdiv(m, tiles.block_m)
   splits = tiles.k_splits
@@ -453,7 +471,9 @@ def fp4_matmul(
     out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
     out_spec = pl.BlockSpec((None, tiles.block_m, tiles.block_n), lambda i, j, s: (s, i, j))
 
-  kernel = functools.partial(_fp4_matmul_kernel, fmt=w.fmt, tiles=tiles, k_tiles_per_split=k // tiles.block_k // splits)
+  kernel = functools.partial(
+    _fp4_matmul_kernel, fmt=w.fmt, tiles=tiles, k_tiles_per_split=k // tiles.block_k // splits, num_rows=m
+  )
   out = pl.pallas_call(
     kernel,
     out_shape=out_shape,
