@@ -90,15 +90,13 @@ TEST_CASES = [
   Case("grouped", 20, 64, 1024, experts=6, tokens=10, fmt="mxfp4", label="grouped_6_experts"),
   Case("grouped_bf16", 64 * 8, 1536, 2048, experts=128, tokens=64, label="grouped_bf16"),
   Case("mosaic_int8", 16, 8192, 8192, fmt="int8", label="mosaic_int8"),
-  # the shapes: M in 1, 8, 16, 64 (K = N = 8192); 64 and 256 tokens top-8 of 128 experts
+  # the shapes (M = 8 and 256 tokens compile the same kernels as M = 1 and 64 tokens but for
+  # block_m: docs/perf/kernel_report.md has them; left out here for the suite's time)
   Case("mosaic_fp4", 1, 8192, 8192, label="mosaic_fp4_m1"),
-  Case("mosaic_fp4", 8, 8192, 8192, label="mosaic_fp4_m8"),
   Case("mosaic_fp4", 16, 8192, 8192, label="mosaic_fp4"),
   Case("mosaic_fp4", 64, 8192, 8192, label="mosaic_fp4_m64"),
   Case("mosaic_fp4", 64 * 8, 1536, 2048, experts=128, tokens=64, label="mosaic_grouped"),
   Case("mosaic_fp4", 64 * 8, 2048, 768, experts=128, tokens=64, label="mosaic_grouped_down"),
-  Case("mosaic_fp4", 256 * 8, 1536, 2048, experts=128, tokens=256, label="mosaic_grouped_256"),
-  Case("mosaic_fp4", 256 * 8, 2048, 768, experts=128, tokens=256, label="mosaic_grouped_down_256"),
   Case("mosaic_fp4", 12, 256, 1024, label="mosaic_fp4_m12"),  # M > 8, not a multiple of 8: x padded
   Case("mosaic_fp4", 20, 128, 256, experts=6, tokens=10, label="mosaic_grouped_small"),
   Case("engine", 64, 2048, 768, experts=128, tokens=64, label="engine_step"),
