@@ -376,8 +376,9 @@ def _fp4_matmul_kernel(
   # last m tile must be masked here (loads read past x, stores would write past out or, with split
   # K, into the next split's partial sums).
   ragged = num_rows % tiles.block_m != 0
-  rows = pl.program_id(0) * tiles.block_m + jnp.arange(tiles.block_m, dtype=jnp.int32)
-  valid = (rows < num_rows)[:, None]
+  if ragged:
+    rows = pl.program_id(0) * tiles.block_m + jnp.arange(tiles.block_m, dtype=jnp.int32)
+    valid = (rows < num_rows)[:, None]
 
   def load(k_tile):
     xs, cs, ss = k_slices(k_tile, tiles.block_k, fmt.block_size)

@@ -496,9 +496,10 @@ SMS = 132
 
 
 def default_tiles(m: int, k: int, n: int = 0, experts: int = 1) -> MosaicTiles:
-  """Tiles for x [M, K] times `experts` weights [N, K] (the experts with rows, at most). block_m: M rounded up to 16..64 (wgmma's N). block_k: the largest of 512, 384, 256, 128 that
-  divides K in 2 steps or more (the loop's fixed cost is spread over more weights; 768 spills, its 48
-  wgmmas' descriptors move out of the uniform registers; a single step leaves nothing to pipeline).
+  """Tiles for x [M, K] times `experts` weights [N, K] (the experts with rows, at most).
+  block_m: M rounded up to 16..64 (wgmma's N). block_k: the largest of 512, 384, 256, 128 that
+  divides K in 2 steps or more (the loop's fixed cost is spread over more weights; 768 spills, its
+  48 wgmmas' descriptors move out of the uniform registers; a single step leaves nothing to pipeline).
   Below 512, a step of 256 on two 64-row tiles (row_tiles 2: one x tile, 16 descriptors, for both)
   where 256 divides K and the grid keeps WAVES blocks per SM: at K = 768, 2.48 instructions per
   weight against 2.55 for one tile at 384 (two tiles at 384 copy their 24 descriptors: 2.54; at 512
@@ -522,7 +523,7 @@ def default_tiles(m: int, k: int, n: int = 0, experts: int = 1) -> MosaicTiles:
 def default_grouped_tiles(m: int, num_experts: int, k: int, n: int = 0) -> MosaicTiles:
   """block_m: 16 while the mean group is at most 8 rows, else 32, so that at decode a group longer
   than block_m (which takes another pass, streaming its expert's tile again) is rare: at 256 tokens
-  top-8 of 128 experts the groups are 16 +- 4 rows. The cluster spans row units of one expert.
+  top-8 of 128 experts the groups are 16 +- 4 rows.
   tiles_per_block: up to 4 of an expert's row units per block, chained, while the grid keeps
   WAVES blocks per SM: a block's first copies wait for HBM once, not once per unit. Only blocks of
   experts with rows stream anything, so the grid counted is theirs: at most M experts (one token's
