@@ -79,6 +79,7 @@ class Case:
   tokens: int = 0
   fmt: str = "nvfp4"
   ptx_decode: bool = False
+  compute_wgs: int = 1  # mosaic_fp4: consumer warpgroups per block (MosaicTiles.compute_wgs), else the default tiles
   label: str = ""
 
 
@@ -114,9 +115,10 @@ def cases(which: str) -> list[Case]:
     for tokens in (64, 256):
       out += [Case("grouped", tokens * 8, n, k, 128, tokens, ptx_decode=ptx) for n, k in ((1536, 2048), (2048, 768))]
   out += [Case("grouped_bf16", tokens * 8, 1536, 2048, 128, tokens) for tokens in (64, 256)]
-  out += [Case("mosaic_fp4", m, 8192, 8192) for m in (1, 8, 16, 64)]
-  for tokens in (64, 256):
-    out += [Case("mosaic_fp4", tokens * 8, n, k, 128, tokens) for n, k in ((1536, 2048), (2048, 768))]
+  for wgs in (1, 2):
+    out += [Case("mosaic_fp4", m, 8192, 8192, compute_wgs=wgs) for m in (1, 8, 16, 64)]
+    for tokens in (64, 256):
+      out += [Case("mosaic_fp4", tokens * 8, n, k, 128, tokens, compute_wgs=wgs) for n, k in ((1536, 2048), (2048, 768))]
   out += [Case("mosaic_int8", m, 8192, 8192, fmt="int8") for m in (16, 64)]
   return out + [Case("engine", 64, 2048, 768, experts=128, tokens=64)]
 
@@ -158,6 +160,7 @@ class MosaicTiles:
   num_warps: int = 4
   cluster: int = 1  # blocks that share one copy of each x tile (TMA multicast)
   slots: int = 0  # pipeline slots (fp4_mosaic)
+  compute_wgs: int = 1  # consumer warpgroups per block (fp4_mosaic), each with the block_k above
 
 
 def _mosaic_int8_matmul(case: Case):
@@ -279,20 +282,22 @@ def _mosaic_fp4_row(case: Case) -> dict:
   x = jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16)
   if case.experts:
     t = mosaic.default_grouped_tiles(case.m, case.experts, case.k, case.n)
+    t = dataclasses.replace(t, compute_wgs=case.compute_wgs)
     sizes = jax.ShapeDtypeStruct((case.experts,), jnp.int32)
     program = gpu_compile.compile_for_h200(functools.partial(mosaic.grouped_fp4_matmul_mosaic, tiles=t), x, sizes, w)
     group_sizes = sampled_group_sizes(case)
     streamed, distinct = int(np.sum(mosaic.passes(group_sizes, t.block_m))), int(np.sum(group_sizes > 0))
   else:
-    t = mosaic.default_tiles(case.m, case.k, case.n)
+    t = dataclasses.replace(mosaic.default_tiles(case.m, case.k, case.n), compute_wgs=case.compute_wgs)
     program = gpu_compile.compile_for_h200(functools.partial(mosaic.fp4_matmul_mosaic, tiles=t), x, w)
     streamed = distinct = 1
-  tiles = MosaicTiles(  # a pipeline step's weights: row_tiles x 64 rows x block_k
+  tiles = MosaicTiles(  # a compute warpgroup's weights per pipeline step: row_tiles x 64 rows x its share of block_k
     block_m=t.block_m,
     block_n=mosaic.ROWS * t.row_tiles,
-    block_k=t.block_k,
+    block_k=t.block_k // t.compute_wgs,
     cluster=t.cluster,
     slots=t.max_concurrent_steps,
+    compute_wgs=t.compute_wgs,
   )
   return _row(case, program, tiles, streamed, distinct, 0, 0.5 + 1 / 16)
 
@@ -349,8 +354,9 @@ def markdown(rows: list[dict]) -> str:
     if r["experts"]:
       shape = f"{r['tokens']} tok x top-8 of {r['experts']}, [{r['n']}, {r['k']}] (streams {r['expert_streams']} / {r['experts_with_rows']})"
     roof = r["roofline_us"]
+    kind = r["kind"] + (f" ({t['compute_wgs']} warpgroups)" if t.get("compute_wgs", 1) > 1 else "")
     lines.append(
-      f"| {r['kind']} | {shape} | {'yes' if r['ptx_decode'] else 'no'} | {t['block_m']}, {t['block_n']}, {t['block_k']}, "
+      f"| {kind} | {shape} | {'yes' if r['ptx_decode'] else 'no'} | {t['block_m']}, {t['block_n']}, {t['block_k']}, "
       f"{t['k_splits']}, {t.get('cluster', 1)} | {r['launches']} | {r['registers']} | {r['spill_bytes']} | "
       f"{r['loop_instructions']} | {r['loop_mmas']} | {r['instructions_per_weight']} | {r['x_l2_over_weights']} | "
       f"{roof['issue']:.1f} / {roof['memory']:.1f} / {roof['l2']:.1f} us | {r['predicted_speedup']}x |"
@@ -381,7 +387,7 @@ def main(argv=None):
       )
       continue
     print(
-      f"{r['kind']:8s} M={r['m']:5d} N={r['n']:5d} K={r['k']:5d} ptx={int(r['ptx_decode'])}: launches {r['launches']}, "
+      f"{r['kind']:8s} wgs={r['compute_wgs']} M={r['m']:5d} N={r['n']:5d} K={r['k']:5d} ptx={int(r['ptx_decode'])}: launches {r['launches']}, "
       f"regs {r['registers']}, spills {r['spill_bytes']}, {r['instructions_per_weight']} instr/weight, "
       f"predicted {r['predicted_speedup']}x bf16",
       flush=True,

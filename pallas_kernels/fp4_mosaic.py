@@ -40,6 +40,13 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
   * Where K leaves no 512-wide step (K = 768: the down projection), a step takes 256 of K on two
     64-row tiles (`MosaicTiles.row_tiles`): one x tile and one set of wgmma descriptors for both, so
     that the loop's fixed cost is spread over as many weights as a 512-wide step.
+  * Two consumer warpgroups per block (`MosaicTiles.compute_wgs = 2`, off by default until a GPU
+    has timed it): each decodes and multiplies half of every step's K into its own accumulator, and
+    the two sums meet once per item, through shared memory between two named-barrier syncs
+    (`_sum_warpgroups`). A block's serial chain per step (wait, decode, 32 dependent wgmmas, wait)
+    is halved and two of them run at once on each SM sub-partition, for the same grid; each
+    warpgroup gets 224 registers (168 at launch), and a step of 1024 keeps 512 per warpgroup
+    (2.52 instructions per weight, against 2.70 at 512).
 
 experiments/kernel_report.py counts the compiled loop (pallas_kernels/gpu_compile.py compiles it
 for sm_90a without a GPU): 2.48-2.49 SASS instructions per weight, against 6.6
@@ -382,9 +389,11 @@ mov.b32 $3, {o1, o1};
 }"""
 
 
-def _decode_tile(block_k: int, tile: int = 0):
+def _decode_tile(block_k: int, tile: int = 0, compute_wgs: int = 1):
   """inline_mgpu function: (the words' smem block [row_tiles, block_k/128, 9, 128])
-  -> its 64-row tile `tile`, bf16 [64, block_k] (times 2^-7) in registers, wgmma layout."""
+  -> its 64-row tile `tile`, bf16 [64, block_k / compute_wgs] (times 2^-7) in registers, wgmma
+  layout: compute warpgroup w's share of the step's K, its K/128 groups from w * block_k / 128 /
+  compute_wgs on (the warpgroup's index comes from the thread index: no argument)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm, vector
   from jax.experimental.mosaic import gpu as mgpu
@@ -396,13 +405,17 @@ def _decode_tile(block_k: int, tile: int = 0):
     i32 = ir.IntegerType.get_signless(32)
     index = ir.IndexType.get()
     bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
-    tid = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(THREADS, i32))
+    thread = mgpu_utils.thread_idx()
+    tid = arith.remui(thread, mgpu_utils.c(THREADS, i32))
+    wg_groups = block_k // SCALE_GROUP_K // compute_wgs
+    group0 = arith.index_cast(index, arith.muli(arith.divui(thread, mgpu_utils.c(THREADS, i32)), mgpu_utils.c(wg_groups, i32)))
     row_of_thread = arith.index_cast(index, arith.shrui(tid, mgpu_utils.c(5, i32)))
     col_of_thread = arith.index_cast(index, arith.shli(arith.andi(tid, mgpu_utils.c(31, i32)), mgpu_utils.c(2, i32)))
     quad_words = arith.index_cast(index, arith.shli(arith.shrui(tid, mgpu_utils.c(2, i32)), mgpu_utils.c(2, i32)))
     tile_index = mgpu_utils.c(tile, index)
     layout = fa.WGMMA_LAYOUT
-    registers = np.empty(layout.registers_shape((ROWS, block_k)), dtype=object)
+    width = block_k // compute_wgs
+    registers = np.empty(layout.registers_shape((ROWS, width)), dtype=object)
     four = llvm.StructType.get_literal([i32] * 4)
     bias = mgpu_utils.c(SCALE_BIAS_BITS | SCALE_BIAS_BITS << 16, i32)
 
@@ -410,8 +423,8 @@ def _decode_tile(block_k: int, tile: int = 0):
       out = llvm.inline_asm(four, args, text, "=r,=r,=r,=r," + ",".join("r" * len(args)))
       return [llvm.extractvalue(i32, out, [i]) for i in range(4)]
 
-    for kg in range(block_k // GROUP_K):
-      group = mgpu_utils.c(kg // 2, index)
+    for kg in range(width // GROUP_K):
+      group = arith.addi(group0, mgpu_utils.c(kg // 2, index)) if compute_wgs > 1 else mgpu_utils.c(kg // 2, index)
       row = arith.addi(row_of_thread, mgpu_utils.c(4 * (kg % 2), index))
       words = vector.load(ir.VectorType.get((4,), i32), words_ref, [tile_index, group, row, col_of_thread])
       if kg % 2 == 0:
@@ -431,8 +444,60 @@ def _decode_tile(block_k: int, tile: int = 0):
 
   return plgpu.inline_mgpu(
     arg_types=(plgpu.RefType(),),
-    return_type=plgpu.ShapeDtypeStruct((ROWS, block_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+    return_type=plgpu.ShapeDtypeStruct((ROWS, block_k // compute_wgs), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
   )(decode)
+
+
+REDUCE_BARRIER = 15  # a named barrier of the compute warpgroups (Mosaic's warpgroup barriers take 1-4; 0 is the block's)
+
+
+def _sum_warpgroups(block_m: int, compute_wgs: int):
+  """inline_mgpu function: (acc [64, block_m] f32 in wgmma layout, each compute warpgroup its partial
+  sum over its share of K; scratch smem f32 [registers, 128, 2]) -> the sum over the warpgroups,
+  in warpgroup 0 (the others get their own partial sums back). Warpgroup 1 writes its registers
+  where its thread's twin in warpgroup 0 reads them (thread-private slots, no bank conflicts),
+  between two named-barrier syncs of the 256 threads (the second keeps the next item's write
+  behind this read)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, scf, vector
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  if compute_wgs != 2:
+    raise NotImplementedError(f"_sum_warpgroups: 2 compute warpgroups, got {compute_wgs}")
+
+  def reduce(_, acc, scratch):
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+    f32x2 = ir.VectorType.get((2,), ir.F32Type.get())
+    thread = mgpu_utils.thread_idx()
+    lane = arith.index_cast(index, arith.remui(thread, mgpu_utils.c(THREADS, i32)))
+    second = arith.cmpi(arith.CmpIPredicate.uge, thread, mgpu_utils.c(THREADS, i32))
+    flat = list(np.ndenumerate(acc.registers))
+
+    def sync():
+      llvm.inline_asm(
+        ir.Type.parse("!llvm.void"), [], f"bar.sync {REDUCE_BARRIER}, {THREADS * compute_wgs};", "", has_side_effects=True
+      )
+
+    branch = scf.IfOp(second)
+    with ir.InsertionPoint(branch.then_block):
+      for i, (_, reg) in enumerate(flat):
+        vector.store(reg, scratch, [mgpu_utils.c(i, index), lane, mgpu_utils.c(0, index)])
+      scf.yield_([])
+    sync()
+    registers = np.empty(acc.registers.shape, dtype=object)
+    for i, (idx, reg) in enumerate(flat):
+      other = vector.load(f32x2, scratch, [mgpu_utils.c(i, index), lane, mgpu_utils.c(0, index)])
+      registers[idx] = arith.addf(reg, other)
+    sync()
+    return mgpu.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return plgpu.inline_mgpu(
+    arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+    return_type=plgpu.ShapeDtypeStruct((ROWS, block_m), jnp.float32, layout=plgpu.Layout.WGMMA),
+  )(reduce)
 
 
 def _store_rows(block_m: int, out_dtype):
@@ -483,6 +548,7 @@ class MosaicTiles:
   tiles_per_block: int = 1  # row units (below) a block computes one after the other (chained pipelines)
   row_tiles: int = 1  # 64-row weight tiles each pipeline step decodes and multiplies by its one x tile (a row unit)
   overlap: bool = False  # a step's decode overlaps the previous step's MMAs (its slot is released a step later)
+  compute_wgs: int = 1  # consumer warpgroups per block, each taking 1 / compute_wgs of every step's K (summed at the end)
 
 
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: the pipeline's slots
@@ -600,6 +666,11 @@ def grouped_fp4_matmul_mosaic(
       "grouped_fp4_matmul_mosaic: tiles.overlap needs one item per block (tiles_per_block = 1, row_tiles = 1, "
       f"M <= block_m; got {tiles}, M = {m}): Pallas' chained pipelines do not take delay_release."
     )
+  if tiles.compute_wgs not in (1, 2) or tiles.block_k % (SCALE_GROUP_K * tiles.compute_wgs):
+    raise ValueError(
+      f"grouped_fp4_matmul_mosaic: tiles.compute_wgs = {tiles.compute_wgs} must be 1 or 2, each taking a multiple of "
+      f"{SCALE_GROUP_K} of the block_k = {tiles.block_k} of a step."
+    )
   if (k // tiles.block_k) % tiles.max_concurrent_steps:
     raise ValueError(
       f"grouped_fp4_matmul_mosaic: tiles.max_concurrent_steps = {tiles.max_concurrent_steps} must divide the "
@@ -612,8 +683,11 @@ def grouped_fp4_matmul_mosaic(
   x_swizzle = plgpu.find_swizzle(block_k * 16, "rhs")
   x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
   row_tiles = tiles.row_tiles
-  decode = [_decode_tile(block_k, t) for t in range(row_tiles)]
+  compute_wgs = tiles.compute_wgs
+  decode = [_decode_tile(block_k, t, compute_wgs) for t in range(row_tiles)]
   store_rows = _store_rows(block_m, out_dtype)
+  sum_warpgroups = _sum_warpgroups(block_m, compute_wgs) if compute_wgs > 1 else None
+  wg_k = block_k // compute_wgs  # a compute warpgroup's share of a step's K
 
   per_block = tiles.tiles_per_block
   steps = k // block_k
@@ -639,6 +713,8 @@ def grouped_fp4_matmul_mosaic(
           store_rows(zeros, row0, 0, jnp.minimum(m - row0, block_m), (tile0 * row_tiles + t) * ROWS, scale, out_gmem)
 
     def body(_, x_smem, words_smem, accs):
+      if compute_wgs > 1:  # this warpgroup's share of K (its words: _decode_tile)
+        x_smem = x_smem.at[:, pl.ds(pl.multiple_of(jax.lax.axis_index("wg") * wg_k, wg_k), wg_k)]
       for decode_tile, acc_ref in zip(decode, accs):  # one x tile for the unit's row tiles
         plgpu.wgmma(acc_ref, decode_tile(words_smem), plgpu.transpose_ref(x_smem, (1, 0)))
         # the decoded registers are free again once their MMAs are done: now, or (overlap) after the next
@@ -666,7 +742,7 @@ def grouped_fp4_matmul_mosaic(
           ),
         ],
         wg_axis="wg",
-        num_compute_wgs=1,
+        num_compute_wgs=compute_wgs,
         max_concurrent_steps=tiles.max_concurrent_steps,
         compute_context=compute_context,
         pipeline_state=state,
@@ -687,7 +763,7 @@ def grouped_fp4_matmul_mosaic(
     def where(item):  # (first x row, row unit) of an item
       return base + item // per_block * block_m, tile0 + item % per_block
 
-    def run(item, state, allocations):
+    def run(item, state, allocations, scratch):
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped, accs=[plgpu.ACC((ROWS, block_m), jnp.float32)] * row_tiles)
         def _(accs):
@@ -697,8 +773,14 @@ def grouped_fp4_matmul_mosaic(
           row0, unit = where(item)  # after the loop: fewer values live through it
           lo = jnp.maximum(start - row0, 0)
           hi = jnp.minimum(jnp.minimum(start + size, m) - row0, block_m)
-          for t, acc_ref in enumerate(accs):
-            store_rows(acc_ref[...], row0, lo, hi, (unit * row_tiles + t) * ROWS, scale, out_gmem)
+          sums = [acc_ref[...] for acc_ref in accs]
+          if compute_wgs > 1:  # the warpgroups' partial sums, added in warpgroup 0
+            sums = [sum_warpgroups(acc, scratch) for acc in sums]
+
+          @pl.when(jax.lax.axis_index("wg") == 0)
+          def _():
+            for t, acc in enumerate(sums):
+              store_rows(acc, row0, lo, hi, (unit * row_tiles + t) * ROWS, scale, out_gmem)
 
       row0, unit = where(item)
       pipeline(compute_context, row0, unit, state)(x_gmem, words_gmem.at[expert], allocations=allocations)
@@ -706,11 +788,14 @@ def grouped_fp4_matmul_mosaic(
     ignore = lambda *_, **__: None
     allocations = pipeline(ignore, 0, 0, None).get_allocations(x_gmem, words_gmem.at[expert])
 
-    @functools.partial(pl.run_scoped, allocations=allocations, collective_axes="wg")
-    def _(allocations):
+    # compute_wgs > 1: where the warpgroups' partial sums meet (block_m / 4 f32 pairs per thread)
+    scratch = dict(scratch=plgpu.SMEM((block_m // 4, THREADS, 2), jnp.float32)) if compute_wgs > 1 else {}
+
+    @functools.partial(pl.run_scoped, allocations=allocations, **scratch, collective_axes="wg")
+    def _(allocations, scratch=None):
       @pl.when(items == 1)
       def _():
-        run(0, None, allocations)
+        run(0, None, allocations, scratch)
 
       if per_block > 1 or m > block_m:  # else a block has at most one item
 
@@ -720,7 +805,7 @@ def grouped_fp4_matmul_mosaic(
           def _(item):
             state = jnp.where(item == 0, int(plgpu.PipelinePipeline.START), int(plgpu.PipelinePipeline.STEADY))
             state = jnp.where(item == items - 1, int(plgpu.PipelinePipeline.STOP), state)
-            run(item, state, allocations)
+            run(item, state, allocations, scratch)
 
   if w.tensor_scale is None:
     scale = jnp.ones((num_experts,), jnp.float32)
@@ -732,7 +817,7 @@ def grouped_fp4_matmul_mosaic(
     grid=(num_experts, n // ROWS // row_tiles // per_block),
     grid_names=("e", "n"),
     **(dict(cluster=(1, tiles.cluster), cluster_names=("ce", "cn")) if tiles.cluster > 1 else {}),
-    num_threads=2,
+    num_threads=compute_wgs + 1,
     thread_name="wg",
     compiler_params=plgpu.CompilerParams(),  # lane semantics: scalar control flow in the kernel
   )(x, group_sizes.astype(jnp.int32), w.words, scale)

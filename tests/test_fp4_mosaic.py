@@ -225,8 +225,15 @@ def test_kernel_matches_reference(m, tensor_amax):
   amax = None if tensor_amax is None else jnp.float32(tensor_amax)
   w = fp4.quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32), "nvfp4", tensor_amax=amax)
   want = dense.fp4_matmul_reference(x, w, out_dtype=jnp.float32)
-  overlap = fm.MosaicTiles(16, 256, 4, overlap=True) if m <= 16 else fm.MosaicTiles(64, 256, 2, overlap=True)
-  for tiles in (None, overlap):  # overlap: a step's decode runs while the previous step's MMAs do
+  bm = 16 if m <= 16 else 64
+  # overlap: a step's decode runs while the previous step's MMAs do; compute_wgs: two warpgroups, each half
+  # of every step's K, their sums added at the end
+  for tiles in (
+    None,
+    fm.MosaicTiles(bm, 256, 4 if bm == 16 else 2, overlap=True),
+    fm.MosaicTiles(bm, 512, 2, compute_wgs=2),
+    fm.MosaicTiles(bm, 256, 2, overlap=True, compute_wgs=2),
+  ):
     got = fm.fp4_matmul_mosaic(x, fm.pack_fragments(w), tiles=tiles, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
 
@@ -298,6 +305,10 @@ def test_grouped_kernel_rejects_bad_calls():
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, row_tiles=2))
   with pytest.raises(ValueError, match="overlap needs one item per block"):  # 24 rows: two passes
     fm.grouped_fp4_matmul_mosaic(jnp.ones((24, 128), jnp.bfloat16), jnp.array([24, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, overlap=True))
+  with pytest.raises(ValueError, match="compute_wgs = 2 must be 1 or 2, each taking a multiple of 128 of the block_k = 128"):
+    fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, compute_wgs=2))
+  with pytest.raises(ValueError, match="compute_wgs = 3 must be 1 or 2"):
+    fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, compute_wgs=3))
   with pytest.raises(ValueError, match="max_concurrent_steps = 4 must divide the 1 steps"):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 4))
 
@@ -321,6 +332,8 @@ def test_grouped_kernel_matches_reference(per_expert_scale):
     fm.MosaicTiles(16, 256, 2, tiles_per_block=2),
     fm.MosaicTiles(32, 128, 4),
     fm.MosaicTiles(16, 256, 2, row_tiles=2),
+    fm.MosaicTiles(16, 256, 2, tiles_per_block=2, compute_wgs=2),  # chained: the sums meet once per item
+    fm.MosaicTiles(16, 256, 2, row_tiles=2, compute_wgs=2),
   ):
     got = fm.grouped_fp4_matmul_mosaic(x, sizes, packed, tiles=tiles, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
