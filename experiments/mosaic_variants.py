@@ -1,15 +1,24 @@
 """GPU diagnostic of the Mosaic FP4 kernel (pallas_kernels/fp4_mosaic.py): tile variants timed side by
-side with XLA's bf16 dot, each checked against the jnp reference, on an sm_90 GPU (about 4 minutes):
+side with bf16 baselines, each checked against the jnp reference, on an sm_90 GPU (about 4 minutes):
 
   PYTHONPATH=. python experiments/mosaic_variants.py      # writes $OUT/diag.json (or /tmp/diag.json)
 
-Dense K = N = 8192 at M = 1, 8, 64 (defaults, x multicast clusters, block_k, overlap), the same with
-the decode replaced by register moves ("nodecode": the copies and MMAs alone; wrong values, timing
-only), and the grouped gate_up / down projections at 64 tokens top-8 of 128 experts. Every call
-reads its own weight copy (4 dense, 2 grouped: more than the 50 MB L2). The results of 2026-12-04
-are docs/gpu_check/h200-2026-12-04-mosaic_variants.json.
+Every row has two times per call (experiments/device_time.py): `wall_us`, the median wall clock of a
+jitted call (dispatch to block_until_ready, divided by the calls it makes), and `device_us`, the
+kernels' own time on the GPU's streams from a profiler trace. The first holds dispatch and launch
+costs; the second is what a kernel change moves. GB/s are from device_us where there is one.
+
+Dense K = N = 8192 at M = 1, 8, 64: XLA's bf16 dot; the kernel's defaults, `overlap`, two compute
+warpgroups (`compute_wgs`, each half of every step's K), both; the same with the decode replaced by
+register moves ("nodecode": the copies and MMAs alone; wrong values, timing only). Grouped, 64 tokens
+top-8 of 128 experts, gate_up [1536, 2048] and down [2048, 768]: the defaults, two compute
+warpgroups, and two bf16 baselines: the Triton grouped kernel of the same family on bf16 weights
+(`grouped_bf16_matmul`) and XLA's `lax.ragged_dot`. Every call reads its own weight copy (more than
+the 50 MB L2 in all). Earlier runs: docs/gpu_check/h200-2026-12-04-mosaic_variants.json (wall
+clock only).
 """
 
+import dataclasses
 import json
 import os
 import time
@@ -18,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import device_time
 from pallas_kernels import fp4_mosaic as fm
 from pallas_kernels import grouped_fp4_matmul as g
 from trace_jax import fp4
@@ -26,29 +36,41 @@ T = fm.MosaicTiles
 F = jnp.float32
 T0 = time.time()
 OUT = os.environ.get("OUT", "/tmp")
+BUDGET_S = float(os.environ.get("BUDGET_S", 270))  # stop starting rows after this
 rows = []
 print(jax.__version__, jax.devices(), flush=True)
 
 
-def timeit(f, args, reps=30):
-  jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append(time.perf_counter() - t)
-  return float(np.median(ts)) * 1e6
+def multi(op):  # one jitted call running op over every weight copy (no XLA merging: distinct buffers)
+  return jax.jit(lambda x, ws, *extra: [op(x, w, *extra) for w in ws])
 
 
-def multi(op, n_w):  # one jitted call running op over n_w weight copies (no XLA merging: custom calls)
-  return jax.jit(lambda x, ws: [op(x, w) for w in ws])
-
-
-def rec(name, us, err=None, **kw):
-  r = dict(name=name, us=round(us, 2), err=err, **kw)
-  rows.append(r)
-  print(json.dumps(r), flush=True)
+def rec(name, calls, fn, args, *, check=None, weight_bytes=0, **kw):
+  """Times fn(*args) (`calls` ops per call), checks one op against the reference, writes the row."""
+  if time.time() - T0 > BUDGET_S:
+    return
+  row = dict(name=name, **kw)
+  try:
+    if check is not None:
+      row["err"] = check()
+    m = device_time.measure(fn, args, reps=20, profile_reps=5)
+    row["wall_us"] = round(m.wall_us / calls, 2)
+    row["device_us"] = None if m.device_us is None else round(m.device_us / calls, 2)
+    row["kernels"] = {k: round(v / calls, 2) for k, v in m.kernels.items()}
+    if m.device_us is None:
+      row["lines"] = m.lines
+    us = row["device_us"] or row["wall_us"]
+    row["gbps"] = round(weight_bytes / us / 1e3) if weight_bytes else None
+  except Exception as e:  # a variant that does not compile or run is a finding, not the end of the run
+    row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+  rows.append(row)
+  print(json.dumps(row), flush=True)
   json.dump(rows, open(f"{OUT}/diag.json", "w"), indent=1)
+
+
+def rel_err(got, want) -> float:
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 # --- dense K = N = 8192 -------------------------------------------------------------------------
@@ -60,35 +82,33 @@ for i in range(1, NW):
   ws[i] = jax.tree.map(jnp.copy, ws[0])
 wb = [jax.random.normal(jax.random.key(10 + i), (K, N), jnp.bfloat16) for i in range(NW)]
 ref_w = fp4.dequantize(q, F)
+FP4_BYTES, BF16_BYTES = K * N * 0.5625, K * N * 2
+
+
+def dense_variants(m):
+  bm = 16 if m <= 16 else 64
+  slots = 4 if bm == 16 else 2
+  out = [
+    ("default", None),
+    ("overlap", T(bm, 512, slots, overlap=True)),
+    ("2wg bk512", T(bm, 512, slots, compute_wgs=2)),
+    ("2wg overlap bk512", T(bm, 512, slots, overlap=True, compute_wgs=2)),
+  ]
+  if bm == 16:
+    out.append(("2wg bk1024", T(16, 1024, 2, compute_wgs=2)))
+  return out
+
+
 for M in (1, 8, 64):
   x = jax.random.normal(jax.random.key(2), (M, K), jnp.bfloat16)
   ref = np.asarray(x.astype(F) @ ref_w.T)
-  us = timeit(multi(lambda x, w: jnp.dot(x, w), NW), (x, wb)) / NW
-  rec("bf16 dot [K,N]", us, M=M, gbps=round(K * N * 2 / us / 1e3))
-  bm = 16 if M <= 16 else 64
-  variants = [("default", None)] + [
-    (f"c{c} bk{bk} s{s}", T(bm, bk, s, c))
-    for c, bk, s in ((1, 512, 4 if bm == 16 else 2), (2, 512, 4 if bm == 16 else 2), (1, 256, 4), (4, 512, 2))
-    if not (bm == 16 and c == 4)
-  ]
-  if M <= 16:
-    variants += [
-      ("overlap c1", T(16, 512, 4, 1, overlap=True)),
-      ("overlap c1 bk256", T(16, 256, 4, 1, overlap=True)),
-      ("overlap c2", T(16, 512, 4, 2, overlap=True)),
-    ]
-  for name, t in variants:
-    if time.time() - T0 > 200:
-      break
-    try:
-      f = lambda x, w, t=t: fm.fp4_matmul_mosaic(x, w, tiles=t, out_dtype=F)
-      err = float(np.abs(np.asarray(f(x, ws[0])) - ref).max() / np.abs(ref).max())
-      us = timeit(multi(f, NW), (x, ws)) / NW
-      rec(
-        "mosaic " + name, us, err, M=M, tiles=str(t or fm.default_tiles(M, K, N)), gbps=round(K * N * 0.5625 / us / 1e3)
-      )
-    except Exception as e:
-      rec("mosaic " + name, float("nan"), M=M, error=str(e)[:300])
+  rec("bf16 dot [K,N]", NW, multi(jnp.dot), (x, wb), M=M, weight_bytes=BF16_BYTES)
+  for name, t in dense_variants(M):
+    f = lambda x, w, t=t: fm.fp4_matmul_mosaic(x, w, tiles=t, out_dtype=F)
+    rec(
+      "mosaic " + name, NW, multi(f), (x, ws), check=lambda f=f, x=x, ref=ref: rel_err(f(x, ws[0]), ref),
+      M=M, tiles=str(t or fm.default_tiles(M, K, N)), weight_bytes=FP4_BYTES,
+    )  # fmt: skip
 
 # no decode arithmetic: the same loads, scales' loads and MMAs (wrong values, timing only)
 saved = fm._DECODE_PTX, fm._SCALE_PTX
@@ -96,50 +116,42 @@ fm._DECODE_PTX = "{ mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, 
 fm._SCALE_PTX = "{ mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4; }"
 jax.clear_caches()
 x = jax.random.normal(jax.random.key(2), (8, K), jnp.bfloat16)
-for name, t in (
-  ("nodecode default", None),
-  ("nodecode c1", T(16, 512, 4, 1)),
-  ("nodecode overlap c1", T(16, 512, 4, 1, overlap=True)),
-):
-  try:
-    f = lambda x, w, t=t: fm.fp4_matmul_mosaic(x, w, tiles=t, out_dtype=F)
-    us = timeit(multi(f, NW), (x, ws)) / NW
-    rec(name, us, M=8, gbps=round(K * N * 0.5625 / us / 1e3))
-  except Exception as e:
-    rec(name, float("nan"), M=8, error=str(e)[:300])
+for name, t in (("nodecode default", None), ("nodecode 2wg bk512", T(16, 512, 4, compute_wgs=2))):
+  f = lambda x, w, t=t: fm.fp4_matmul_mosaic(x, w, tiles=t, out_dtype=F)
+  rec(name, NW, multi(f), (x, ws), M=8, weight_bytes=FP4_BYTES)
 fm._DECODE_PTX, fm._SCALE_PTX = saved
 jax.clear_caches()
 
 # --- grouped: 64 tokens top-8 of 128 experts -----------------------------------------------------
 E = 128
-for n, k in ((2048, 768), (1536, 2048)):
-  if time.time() - T0 > 230:
-    break
+for n, k in ((1536, 2048), (2048, 768)):
   qe = fp4.quantize(jax.random.normal(jax.random.key(3), (E, n, k)), "nvfp4")
   we = fm.pack_fragments(qe)
   wes = [we, jax.tree.map(jnp.copy, we)]
+  wbs = [jax.random.normal(jax.random.key(20 + i), (E, n, k), jnp.bfloat16) for i in range(2)]
   ids = np.random.default_rng(0).integers(0, E, 512)
   sizes = jnp.asarray(np.bincount(ids, minlength=E), jnp.int32)
   x = jax.random.normal(jax.random.key(4), (512, k), jnp.bfloat16)
   ref = np.asarray(g.grouped_fp4_matmul_reference(x, sizes, qe, out_dtype=F))
-  for name, t in (
-    ("default", None),
-    ("c1 tpb1", T(16, 512 if k % 512 == 0 else 384, 4 if k % 512 == 0 else 2, 1)),
-    ("c1 tpb4", T(16, 512 if k % 512 == 0 else 384, 4 if k % 512 == 0 else 2, 1, 4)),
-    ("c1 rt2", T(16, 256, 4 if k % 1024 == 0 else 3, 1, 4, 2)),
-  ):
-    try:
-      f = lambda x, w, t=t, sizes=sizes: fm.grouped_fp4_matmul_mosaic(x, sizes, w, tiles=t, out_dtype=F)
-      err = float(np.abs(np.asarray(f(x, we)) - ref).max() / np.abs(ref).max())
-      us = timeit(multi(f, 2), (x, wes)) / 2
-      streamed = int(np.sum(np.asarray(sizes) > 0)) * n * k * 0.5625
-      rec(
-        f"grouped [{n},{k}] " + name,
-        us,
-        err,
-        tiles=str(t or fm.default_grouped_tiles(512, E, k, n)),
-        gbps=round(streamed / us / 1e3),
-      )
-    except Exception as e:
-      rec(f"grouped [{n},{k}] " + name, float("nan"), error=str(e)[:300])
+  touched = int(np.sum(np.asarray(sizes) > 0))
+  fp4_bytes, bf16_bytes = touched * n * k * 0.5625, touched * n * k * 2
+  default = fm.default_grouped_tiles(512, E, k, n)
+  label = f"grouped [{n},{k}] "
+  for name, t in (("default", default), ("2wg", dataclasses.replace(default, compute_wgs=2))):
+    f = lambda x, w, sizes, t=t: fm.grouped_fp4_matmul_mosaic(x, sizes, w, tiles=t, out_dtype=F)
+    rec(
+      label + name, 2, multi(f), (x, wes, sizes), check=lambda f=f, x=x, we=we, ref=ref, sizes=sizes: rel_err(f(x, we, sizes), ref),
+      tiles=str(t), weight_bytes=fp4_bytes, experts_with_rows=touched,
+    )  # fmt: skip
+  bf16_ref = np.asarray(
+    jax.lax.ragged_dot(x.astype(F), jnp.swapaxes(wbs[0], 1, 2).astype(F), sizes, precision="highest")
+  )
+  triton = lambda x, w, sizes: g.grouped_bf16_matmul(x, sizes, w, out_dtype=F)
+  rec(
+    label + "bf16 triton (grouped_bf16_matmul)", 2, multi(triton), (x, wbs, sizes), weight_bytes=bf16_bytes,
+    check=lambda triton=triton, x=x, w=wbs[0], sizes=sizes, want=bf16_ref: rel_err(triton(x, w, sizes), want),
+  )  # fmt: skip
+  ragged = lambda x, w, sizes: jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), sizes, preferred_element_type=F)
+  rec(label + "bf16 xla ragged_dot", 2, multi(ragged), (x, wbs, sizes), weight_bytes=bf16_bytes)
+  wes = wbs = None  # free the copies before the next shape
 print("total", round(time.time() - T0), "s", flush=True)

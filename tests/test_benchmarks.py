@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import bench_fp4_matmul, gpu_check
+from experiments import bench_fp4_matmul, device_time, gpu_check
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -143,3 +143,38 @@ def test_fp4_report_is_strict_json_and_rewritten_per_row(tmp_path):
   }
   report.add("dense", dict(m=8, speedup=math.inf))
   assert json.loads(path.read_text())["dense"][1] == dict(m=8, speedup=None)
+
+
+def test_device_time_counts_the_gpu_streams_kernels_once():
+  # A hand-made trace in the profiler's shape: a GPU's stream line, its XLA Ops summary line (the same
+  # kernels again) and the host. Only the stream's kernels count, per call.
+  meta = lambda ph_name, pid, name, tid=None: dict(ph="M", name=ph_name, pid=pid, tid=tid, args=dict(name=name))
+  events = [
+    meta("process_name", 1, "/device:GPU:0"),
+    meta("thread_name", 1, "Stream #14(Kernel)", tid=7),
+    meta("thread_name", 1, "XLA Ops", tid=8),
+    meta("process_name", 2, "/host:CPU"),
+    meta("thread_name", 2, "python", tid=1),
+  ]
+  for _ in range(2):  # two calls
+    events += [
+      dict(ph="X", pid=1, tid=7, name="kernel_mosaic_gpu_kernel", dur=60.0),
+      dict(ph="X", pid=1, tid=7, name="loop_convert_fusion", dur=4.0),
+      dict(ph="X", pid=1, tid=8, name="custom-call.1", dur=64.0),
+      dict(ph="X", pid=2, tid=1, name="PjitFunction", dur=500.0),
+    ]
+  device_us, kernels, lines = device_time.parse_trace(events, reps=2)
+  assert device_us == 64.0 and kernels == {"kernel_mosaic_gpu_kernel": 60.0, "loop_convert_fusion": 4.0}
+  assert lines["/device:GPU:0 | XLA Ops"] == 64.0 and lines["/host:CPU | python"] == 500.0
+  assert device_time.parse_trace(events[3:5] + events[-1:], reps=1)[0] is None  # no GPU: no device time
+
+
+def test_device_time_measures_a_cpu_call():
+  import jax
+  import jax.numpy as jnp
+
+  f = jax.jit(lambda a: jnp.tanh(a @ a))
+  m = device_time.measure(f, (jnp.ones((64, 64)),), reps=3, profile_reps=2)
+  assert m.wall_us > 0 and m.device_us is None and m.kernels == {}
+  assert any(line.startswith("/host:CPU") for line in m.lines)  # the trace was read
+  json.dumps(m.as_dict())
