@@ -38,6 +38,9 @@ and the run goes on):
                 on a GPU: the Pallas kernels compiled through Triton (and the inline-PTX decode) and the
                 Mosaic GPU kernel (M = 1..64, tensor scale, every E4M3 scale byte) against their jnp
                 references. --smoke: interpret mode, a few tests.
+  mosaic_variants  experiments/mosaic_variants.py (GPU only): the Mosaic kernel's variants (overlap, two
+                compute warpgroups, no decode) and the bf16 baselines, dense and grouped, each with its
+                wall-clock and device (profiler) time; figures.rows.
   fp4_matmul    experiments/bench_fp4_matmul.py --json (BF16 against the FP4 kernels; --smoke: tiny).
   rollout       experiments/bench_rollout.py --json (our engine, BF16 and FP4, against transformers
                 float32 on the CPU; --smoke: batch 2, 4 tokens).
@@ -67,10 +70,15 @@ import xml.etree.ElementTree as ET
 from importlib import metadata
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-STAGES = ("env", "install", "kernel_tests", "fp4_matmul", "rollout", "grpo_step")
+STAGES = ("env", "install", "kernel_tests", "mosaic_variants", "fp4_matmul", "rollout", "grpo_step")
 # Upper limits in seconds on one H200 (each is also cut to leave --reserve_s to every later stage).
-LIMITS = {"env": 60, "install": 120, "kernel_tests": 240, "fp4_matmul": 120, "rollout": 120, "grpo_step": 120}
-SMOKE_LIMITS = {"env": 60, "install": 0, "kernel_tests": 90, "fp4_matmul": 120, "rollout": 180, "grpo_step": 180}
+LIMITS = {
+  "env": 60, "install": 120, "kernel_tests": 240, "mosaic_variants": 270, "fp4_matmul": 120, "rollout": 120,
+  "grpo_step": 120,
+}  # fmt: skip
+SMOKE_LIMITS = {
+  "env": 60, "install": 0, "kernel_tests": 90, "mosaic_variants": 10, "fp4_matmul": 120, "rollout": 180, "grpo_step": 180
+}  # fmt: skip
 # --smoke: a few interpret-mode kernel tests (dense, grouped, the decodes, dispatch), ~10 s on 2 cores.
 SMOKE_KERNEL_TESTS = (
   "e2m1_decode_every_byte or e4m3_decode_every_byte or fp4_matmul_bf16_output or grouped_fp4_matmul_shapes"
@@ -369,6 +377,22 @@ def _bench_stage(name, script, args, limit_s, logs, **env) -> dict:
   return _stage_record(cmd, result, limit_s, result["returncode"] == 0 and "error" not in figures, figures=figures)
 
 
+def stage_mosaic_variants(limit_s, logs, smoke, gpu):
+  """experiments/mosaic_variants.py: the Mosaic kernel's variants and the bf16 baselines, wall clock and
+  device time per row (it needs an sm_90 GPU: skipped without one)."""
+  if smoke or not gpu:
+    return dict(status="skipped", reason="--smoke" if smoke else "no GPU backend", seconds=0.0, limit_s=limit_s)
+  out = logs / "mosaic_variants.json"
+  out.unlink(missing_ok=True)
+  cmd = [sys.executable, "experiments/mosaic_variants.py"]
+  env = _child_env(OUT=str(logs), BUDGET_S=max(limit_s - 60, 10))  # rows stop starting a minute before the limit
+  result = _run(cmd, limit_s=limit_s, log=logs / "mosaic_variants.log", env=env)
+  rows = _read_json(out)
+  rows = rows if isinstance(rows, list) else []
+  ok = result["returncode"] == 0 and bool(rows) and not any("error" in r for r in rows)
+  return _stage_record(cmd, result, limit_s, ok, figures=dict(rows=rows))
+
+
 def stage_fp4_matmul(limit_s, logs, smoke):
   args = ["--smoke"] if smoke else ["--reps", "10"]
   return _bench_stage("fp4_matmul", "experiments/bench_fp4_matmul.py", args, limit_s, logs)
@@ -423,6 +447,11 @@ def _one_line(name: str, stage: dict) -> str:
     elif name == "kernel_tests" and "tests" in figures:
       mode = "interpret" if figures["interpret"] else "compiled"
       line += f"  {figures['passed']} passed, {figures['failures'] + figures['errors']} failed, {figures['skipped']} skipped ({mode})"
+    elif name == "mosaic_variants" and figures.get("rows"):
+      rows = [r for r in figures["rows"] if r.get("device_us") or r.get("wall_us")]
+      line += f"  {len(rows)} rows; " + "; ".join(
+        f"{r['name']}{' M=' + str(r['M']) if 'M' in r else ''} {r.get('device_us') or r.get('wall_us')} us" for r in rows[:4]
+      )
     elif name == "fp4_matmul":
       dense = [f"M={r['m']} K={r['k']} {r['speedup']:.2f}x" for r in figures.get("dense", []) if r.get("speedup")]
       grouped = [
@@ -497,6 +526,8 @@ def main(argv=None) -> int:
             gpu = stage["env_after"].get("backend") == "gpu"
         elif name == "kernel_tests":
           stage = stage_kernel_tests(limit, logs, args.smoke, gpu)
+        elif name == "mosaic_variants":
+          stage = stage_mosaic_variants(limit, logs, args.smoke, gpu)
         else:
           stage = globals()[f"stage_{name}"](limit, logs, args.smoke)
       except Exception as e:  # a bug here must not cost the other stages

@@ -1,7 +1,9 @@
 """GPU diagnostic of the Mosaic FP4 kernel (pallas_kernels/fp4_mosaic.py): tile variants timed side by
 side with bf16 baselines, each checked against the jnp reference, on an sm_90 GPU (about 4 minutes):
 
-  PYTHONPATH=. python experiments/mosaic_variants.py      # writes $OUT/diag.json (or /tmp/diag.json)
+  PYTHONPATH=. python experiments/mosaic_variants.py   # writes $OUT/mosaic_variants.json (or /tmp/...)
+
+(or as a stage of the GPU check: bash experiments/gpu_check.sh --stages kernel_tests,mosaic_variants).
 
 Every row has two times per call (experiments/device_time.py): `wall_us`, the median wall clock of a
 jitted call (dispatch to block_until_ready, divided by the calls it makes), and `device_us`, the
@@ -65,7 +67,7 @@ def rec(name, calls, fn, args, *, check=None, weight_bytes=0, **kw):
     row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
   rows.append(row)
   print(json.dumps(row), flush=True)
-  json.dump(rows, open(f"{OUT}/diag.json", "w"), indent=1)
+  json.dump(rows, open(f"{OUT}/mosaic_variants.json", "w"), indent=1)
 
 
 def rel_err(got, want) -> float:
