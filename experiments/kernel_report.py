@@ -100,6 +100,7 @@ TEST_CASES = [
   Case("mosaic_fp4", 64 * 8, 2048, 768, experts=128, tokens=64, label="mosaic_grouped_down"),
   Case("mosaic_fp4", 12, 256, 1024, label="mosaic_fp4_m12"),  # M > 8, not a multiple of 8: x padded
   Case("mosaic_fp4", 20, 128, 256, experts=6, tokens=10, label="mosaic_grouped_small"),
+  Case("mosaic_fp4", 16, 8192, 8192, compute_wgs=2, label="mosaic_fp4_2wg"),  # not the default: timed on a GPU next
   Case("engine", 64, 2048, 768, experts=128, tokens=64, label="engine_step"),
 ]
 
@@ -327,6 +328,7 @@ def _row(case: Case, program, tiles, streamed: int, distinct: int, partial_bytes
     loop_instructions=len(kernel.loop),
     loop_mmas=sum(op in gpu_compile.MMA_OPCODES for op in kernel.loop),
     loop_top=kernel.loop_histogram(6),
+    setmaxnreg=kernel.setmaxnreg(),
     instructions_per_weight=round(ipw, 2),
     within_budget=ipw <= BUDGET,
     expert_streams=streamed if case.experts else None,

@@ -45,7 +45,7 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     the two sums meet once per item, through shared memory between two named-barrier syncs
     (`_sum_warpgroups`). A block's serial chain per step (wait, decode, 32 dependent wgmmas, wait)
     is halved and two of them run at once on each SM sub-partition, for the same grid; each
-    warpgroup gets 224 registers (168 at launch), and a step of 1024 keeps 512 per warpgroup
+    warpgroup gets 224 registers (168 at launch; the producer keeps 56: `_registers_fit`), and a step of 1024 keeps 512 per warpgroup
     (2.52 instructions per weight, against 2.70 at 512).
 
 experiments/kernel_report.py counts the compiled loop (pallas_kernels/gpu_compile.py compiles it
@@ -454,7 +454,7 @@ REDUCE_BARRIER = 15  # a named barrier of the compute warpgroups (Mosaic's warpg
 def _sum_warpgroups(block_m: int, compute_wgs: int):
   """inline_mgpu function: (acc [64, block_m] f32 in wgmma layout, each compute warpgroup its partial
   sum over its share of K; scratch smem f32 [registers, 128, 2]) -> the sum over the warpgroups,
-  in warpgroup 0 (the others get their own partial sums back). Warpgroup 1 writes its registers
+  in warpgroup 0 (warpgroup 1 gets garbage back: twice its own; only warpgroup 0 stores). Warpgroup 1 writes its registers
   where its thread's twin in warpgroup 0 reads them (thread-private slots, no bank conflicts),
   between two named-barrier syncs of the 256 threads (the second keeps the next item's write
   behind this read)."""
@@ -554,9 +554,21 @@ class MosaicTiles:
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: the pipeline's slots
 
 
-# The producer warpgroup's registers (setmaxnreg): the consumer gets min(256, 512 - this), 256 either way;
-# 40 (jax's default) spills the chained pipelines' loop state in the producer.
-MEMORY_REGISTERS = 64
+# The producer warpgroup's registers (setmaxnreg), by the consumer warpgroups: one consumer gets 256 either way;
+# 40 (jax's default) spills the chained pipelines' loop state in the producer; with two consumers 56 is the
+# most that leaves them 224 each within the block's launch pool (`_registers_fit`).
+MEMORY_REGISTERS = {1: 64, 2: 56}  # by compute_wgs
+
+
+def _registers_fit(compute_wgs: int) -> bool:
+  """setmaxnreg moves registers within the block's launch pool (ptxas: 65536 / threads, down to a multiple of
+  8, at most 255 each): the producer's plus the consumers' (Pallas: min(256, (512 - producer) / compute_wgs),
+  down to a multiple of 8) must fit it, or a consumer warp's setmaxnreg.inc waits forever (a hang, not an
+  error). 3 warpgroups start with 168 each (504 per thread triple): 56 + 2 x 224 fits, 64 + 2 x 224 does not."""
+  launch = min(255, 65536 // (THREADS * (compute_wgs + 1)) // 8 * 8)
+  producer = MEMORY_REGISTERS[compute_wgs]
+  consumer = int(min(256, (512 - producer) / compute_wgs) // 8 * 8)
+  return producer + compute_wgs * min(consumer, 255) <= launch * (compute_wgs + 1)
 WAVES = 2  # blocks per SM (132 on an H200) a call keeps at least, when its blocks take more rows (below)
 SMS = 132
 
@@ -684,6 +696,7 @@ def grouped_fp4_matmul_mosaic(
   x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
   row_tiles = tiles.row_tiles
   compute_wgs = tiles.compute_wgs
+  assert _registers_fit(compute_wgs), MEMORY_REGISTERS  # else a consumer's setmaxnreg.inc never returns
   decode = [_decode_tile(block_k, t, compute_wgs) for t in range(row_tiles)]
   store_rows = _store_rows(block_m, out_dtype)
   sum_warpgroups = _sum_warpgroups(block_m, compute_wgs) if compute_wgs > 1 else None
@@ -726,7 +739,7 @@ def grouped_fp4_matmul_mosaic(
       return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(steps,),
-        memory_registers=MEMORY_REGISTERS,
+        memory_registers=MEMORY_REGISTERS[compute_wgs],
         in_specs=[
           plgpu.BlockSpec(
             (pl.Element(block_m), block_k),

@@ -198,6 +198,14 @@ class KernelSass:
   def loop_histogram(self, top: int = 12) -> dict[str, int]:
     return dict(collections.Counter(self.loop).most_common(top))
 
+  def setmaxnreg(self) -> dict[str, list[int]]:
+    """The registers per thread that warp-specialized warpgroups give back ("dealloc": the producer) and
+    take ("alloc": the consumers) with setmaxnreg (SASS USETMAXREG), in order; empty lists if none."""
+    out = {"dealloc": [], "alloc": []}
+    for kind, value in re.findall(r"USETMAXREG\.(DEALLOC|TRY_ALLOC)\.CTAPOOL[^;]*?(0x[0-9a-f]+)\s*;", self.sass):
+      out["dealloc" if kind == "DEALLOC" else "alloc"].append(int(value, 16))
+    return out
+
 
 @dataclasses.dataclass
 class CompiledProgram:

@@ -292,6 +292,17 @@ def test_grouped_reference_is_one_matmul_per_group():
   np.testing.assert_array_equal(got[5], 0)
 
 
+def test_warpgroup_registers_fit_the_launch_pool():
+  # setmaxnreg only moves registers within the block's pool: asking for more hangs the block on a GPU.
+  assert all(fm._registers_fit(wgs) for wgs in fm.MEMORY_REGISTERS)
+  saved = fm.MEMORY_REGISTERS[2]
+  try:
+    fm.MEMORY_REGISTERS[2] = 64  # 64 + 2 x 224 > 3 x 168: the hang this guards against
+    assert not fm._registers_fit(2)
+  finally:
+    fm.MEMORY_REGISTERS[2] = saved
+
+
 def test_grouped_kernel_rejects_bad_calls():
   w = fm.pack_fragments(_experts(np.random.default_rng(0), 2, 64, 128, False))
   x = jnp.ones((4, 128), jnp.bfloat16)

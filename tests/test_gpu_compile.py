@@ -167,7 +167,9 @@ def test_mosaic_gpu_kernel_compiles_to_sass(rows):
 
 
 @needs_toolchain
-@pytest.mark.parametrize("label", [c.label for c in kernel_report.TEST_CASES if c.kind == "mosaic_fp4" and c.n >= 1536])
+@pytest.mark.parametrize(
+  "label", [c.label for c in kernel_report.TEST_CASES if c.kind == "mosaic_fp4" and c.n >= 1536 and c.compute_wgs == 1]
+)
 def test_mosaic_fp4_kernel(rows, label):
   """The FP4 Mosaic kernel at decode (dense M = 1, 16 and 64, K = N = 8192; grouped: 64 tokens top-8 of 128
   experts, gate_up [1536, 2048] and down [2048, 768]; M = 8 and 256 tokens are in the full report): one launch (no pad, no transpose, no scale
@@ -186,6 +188,31 @@ def test_mosaic_fp4_kernel(rows, label):
   assert row["tiles"]["cluster"] == 1  # no x multicast: measured slower on an H200
   if row["experts"]:  # each expert with rows streamed once, none without
     assert row["expert_streams"] == row["experts_with_rows"] == {64: 126, 256: 128}[row["tokens"]]
+
+
+@needs_toolchain
+@pytest.mark.parametrize("label", [c.label for c in kernel_report.TEST_CASES if c.kind == "mosaic_fp4"])
+def test_mosaic_warpgroups_registers_fit_the_block(rows, label):
+  """setmaxnreg moves registers inside the block's launch pool (registers x threads): the producer's
+  plus the consumers' must fit it, or a consumer warp waits forever at its setmaxnreg on a GPU (a hang
+  that compiles fine: two consumers and a producer of 64 did, 64 + 2 x 224 > 3 x 168)."""
+  row = rows[label]
+  wgs = row["tiles"]["compute_wgs"]
+  regs = row["setmaxnreg"]
+  assert regs["dealloc"] and regs["alloc"], regs  # one pair per pipeline the kernel can run (lone or chained items)
+  assert max(regs["dealloc"]) + wgs * max(regs["alloc"]) <= row["registers"] * (wgs + 1), (regs, row["registers"])
+
+
+@needs_toolchain
+def test_mosaic_fp4_two_warpgroups(rows):
+  """Two consumer warpgroups, each half of every step's K (MosaicTiles.compute_wgs = 2; off by default
+  until timed on a GPU): one launch, no spills, 16 HGMMA per warpgroup per 512-wide step, and the
+  fixed per-step cost spread over half the weights: 2.70 instructions per weight today."""
+  row = rows["mosaic_fp4_2wg"]
+  assert row["launch_names"] == ["kCustomCall"] and row["spill_bytes"] == 0
+  assert row["loop_mmas"] == 16 and row["tiles"]["block_k"] == 256
+  assert row["instructions_per_weight"] <= 2.8
+  assert set(row["setmaxnreg"]["dealloc"]) == {56} and set(row["setmaxnreg"]["alloc"]) == {224}
 
 
 @needs_toolchain
