@@ -127,6 +127,8 @@ jax.clear_caches()
 # --- grouped: 64 tokens top-8 of 128 experts -----------------------------------------------------
 E = 128
 for n, k in ((1536, 2048), (2048, 768)):
+  if time.time() - T0 > BUDGET_S:
+    break
   qe = fp4.quantize(jax.random.normal(jax.random.key(3), (E, n, k)), "nvfp4")
   we = fm.pack_fragments(qe)
   wes = [we, jax.tree.map(jnp.copy, we)]
