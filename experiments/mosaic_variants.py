@@ -10,12 +10,12 @@ jitted call (dispatch to block_until_ready, divided by the calls it makes), and 
 kernels' own time on the GPU's streams from a profiler trace. The first holds dispatch and launch
 costs; the second is what a kernel change moves. GB/s are from device_us where there is one.
 
-Dense K = N = 8192 at M = 1, 8, 64: XLA's bf16 dot; the kernel's defaults, `overlap`, two compute
-warpgroups (`compute_wgs`, each half of every step's K), both; the same with the decode replaced by
-register moves ("nodecode": the copies and MMAs alone; wrong values, timing only). Grouped, 64 tokens
-top-8 of 128 experts, gate_up [1536, 2048] and down [2048, 768]: the defaults, two compute
-warpgroups, and two bf16 baselines: the Triton grouped kernel of the same family on bf16 weights
-(`grouped_bf16_matmul`) and XLA's `lax.ragged_dot`. Every call reads its own weight copy (more than
+In this order (BUDGET_S, default 270, stops it early): dense K = N = 8192 at M = 1, 8, 64: XLA's bf16
+dot; the kernel's defaults, `overlap`, two compute warpgroups (`compute_wgs`, each half of every
+step's K), both. Grouped, 64 tokens top-8 of 128 experts, gate_up [1536, 2048] and down [2048, 768]:
+the defaults, two compute warpgroups, and two bf16 baselines: the Triton grouped kernel of the same
+family on bf16 weights (`grouped_bf16_matmul`) and XLA's `lax.ragged_dot`. Last, M = 8 with the
+decode replaced by register moves ("nodecode": the copies and MMAs alone; wrong values, timing only). Every call reads its own weight copy (more than
 the 50 MB L2 in all). Earlier runs: docs/gpu_check/h200-2026-12-04-mosaic_variants.json (wall
 clock only).
 """
@@ -55,7 +55,7 @@ def rec(name, calls, fn, args, *, check=None, weight_bytes=0, **kw):
   try:
     if check is not None:
       row["err"] = check()
-    m = device_time.measure(fn, args, reps=20, profile_reps=5)
+    m = device_time.measure(fn, args, reps=10, profile_reps=5)
     row["wall_us"] = round(m.wall_us / calls, 2)
     row["device_us"] = None if m.device_us is None else round(m.device_us / calls, 2)
     row["kernels"] = {k: round(v / calls, 2) for k, v in m.kernels.items()}
@@ -112,18 +112,6 @@ for M in (1, 8, 64):
       M=M, tiles=str(t or fm.default_tiles(M, K, N)), weight_bytes=FP4_BYTES,
     )  # fmt: skip
 
-# no decode arithmetic: the same loads, scales' loads and MMAs (wrong values, timing only)
-saved = fm._DECODE_PTX, fm._SCALE_PTX
-fm._DECODE_PTX = "{ mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4; }"
-fm._SCALE_PTX = "{ mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4; }"
-jax.clear_caches()
-x = jax.random.normal(jax.random.key(2), (8, K), jnp.bfloat16)
-for name, t in (("nodecode default", None), ("nodecode 2wg bk512", T(16, 512, 4, compute_wgs=2))):
-  f = lambda x, w, t=t: fm.fp4_matmul_mosaic(x, w, tiles=t, out_dtype=F)
-  rec(name, NW, multi(f), (x, ws), M=8, weight_bytes=FP4_BYTES)
-fm._DECODE_PTX, fm._SCALE_PTX = saved
-jax.clear_caches()
-
 # --- grouped: 64 tokens top-8 of 128 experts -----------------------------------------------------
 E = 128
 for n, k in ((1536, 2048), (2048, 768)):
@@ -158,4 +146,17 @@ for n, k in ((1536, 2048), (2048, 768)):
   ragged = lambda x, w, sizes: jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), sizes, preferred_element_type=F)
   rec(label + "bf16 xla ragged_dot", 2, multi(ragged), (x, wbs, sizes), weight_bytes=bf16_bytes)
   wes = wbs = None  # free the copies before the next shape
+
+# no decode arithmetic: the same loads, scales' loads and MMAs (wrong values, timing only)
+saved = fm._DECODE_PTX, fm._SCALE_PTX
+fm._DECODE_PTX = "{ mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4; }"
+fm._SCALE_PTX = "{ mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4; }"
+jax.clear_caches()
+x = jax.random.normal(jax.random.key(2), (8, K), jnp.bfloat16)
+for name, t in (("nodecode default", None), ("nodecode 2wg bk512", T(16, 512, 4, compute_wgs=2))):
+  f = lambda x, w, t=t: fm.fp4_matmul_mosaic(x, w, tiles=t, out_dtype=F)
+  rec(name, NW, multi(f), (x, ws), M=8, weight_bytes=FP4_BYTES)
+fm._DECODE_PTX, fm._SCALE_PTX = saved
+jax.clear_caches()
+
 print("total", round(time.time() - T0), "s", flush=True)
