@@ -44,9 +44,9 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     has timed it): each decodes and multiplies half of every step's K into its own accumulator, and
     the two sums meet once per item, through shared memory between two named-barrier syncs
     (`_sum_warpgroups`). A block's serial chain per step (wait, decode, 32 dependent wgmmas, wait)
-    is halved and two of them run at once on each SM sub-partition, for the same grid; each
-    warpgroup gets 224 registers (168 at launch; the producer keeps 56: `_registers_fit`), and a step of 1024 keeps 512 per warpgroup
-    (2.52 instructions per weight, against 2.70 at 512).
+    is halved and two of them run at once on each SM sub-partition, for the same grid. Each
+    warpgroup gets 216 registers (168 at launch; the producer keeps 72: `_registers_fit`), and a
+    step of 1024 keeps 512 per warpgroup (2.52 instructions per weight, against 2.70 at 512).
 
 experiments/kernel_report.py counts the compiled loop (pallas_kernels/gpu_compile.py compiles it
 for sm_90a without a GPU): 2.48-2.49 SASS instructions per weight, against 6.6
@@ -555,16 +555,17 @@ SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: the pipeline's slot
 
 
 # The producer warpgroup's registers (setmaxnreg), by the consumer warpgroups: one consumer gets 256 either way;
-# 40 (jax's default) spills the chained pipelines' loop state in the producer; with two consumers 56 is the
-# most that leaves them 224 each within the block's launch pool (`_registers_fit`).
-MEMORY_REGISTERS = {1: 64, 2: 56}  # by compute_wgs
+# 40 (jax's default) spills the chained pipelines' loop state in the producer, and so does 56 with two consumers
+# (48 bytes at 256 tokens, K = 768). Two consumers get (512 - this) / 2, down to a multiple of 8, and the sum must
+# fit the block's launch pool of 3 x 168 (`_registers_fit`): 40, 56, 72 do (232, 224, 216 each), 48 and 64 do not.
+MEMORY_REGISTERS = {1: 64, 2: 72}  # by compute_wgs
 
 
 def _registers_fit(compute_wgs: int) -> bool:
   """setmaxnreg moves registers within the block's launch pool (ptxas: 65536 / threads, down to a multiple of
   8, at most 255 each): the producer's plus the consumers' (Pallas: min(256, (512 - producer) / compute_wgs),
   down to a multiple of 8) must fit it, or a consumer warp's setmaxnreg.inc waits forever (a hang, not an
-  error). 3 warpgroups start with 168 each (504 per thread triple): 56 + 2 x 224 fits, 64 + 2 x 224 does not."""
+  error). 3 warpgroups start with 168 each (504 per thread triple): 72 + 2 x 216 fits, 64 + 2 x 224 does not."""
   launch = min(255, 65536 // (THREADS * (compute_wgs + 1)) // 8 * 8)
   producer = MEMORY_REGISTERS[compute_wgs]
   consumer = int(min(256, (512 - producer) / compute_wgs) // 8 * 8)
