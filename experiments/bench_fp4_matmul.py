@@ -140,7 +140,7 @@ class Setup:
 
 def _median_seconds(fn, args, setup: Setup) -> float:
   if setup.device_time:
-    m = device_time.measure(fn, args, reps=3, profile_reps=5)
+    m = device_time.measure(fn, args, reps=setup.reps, profile_reps=5)
     return (m.wall_us if m.device_us is None else m.device_us) * 1e-6 / setup.calls
   jax.block_until_ready(fn(*args))  # compile + warm up
   jax.block_until_ready(fn(*args))
@@ -415,7 +415,7 @@ def main(argv=None):
   report.set(
     jax=jax.__version__, backend=backend, device=jax.devices()[0].device_kind, smoke=setup.smoke,
     interpret=setup.interpret, reps=setup.reps, calls=setup.calls, goal_speedup=GOAL, nominal_bw_gbps=NOMINAL_BW / 1e9,
-    timing="device: kernels on the GPU's streams (profiler)" if setup.device_time else "wall clock, median",
+    timing="device: kernels on the GPU's streams (profiler, 5 calls)" if setup.device_time else "wall clock, median",
     units="us: microseconds per op call (median); gbps: GB/s; err: max |kernel - reference| / max |reference|",
   )  # fmt: skip
 

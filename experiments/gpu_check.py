@@ -340,10 +340,21 @@ def _junit_figures(path: pathlib.Path) -> dict:
   return dict(counts, failed_tests=failures, slowest=slowest)
 
 
+_OUTCOME = r"(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)"
+# pytest -v: "tests/x.py::test_y[p] PASSED  [ 3%]"; under pytest-xdist: "[gw0] [  3%] PASSED tests/x.py::test_y[p]"
+_VERBOSE_LINE = re.compile(rf"^(?:(\S+::.*) {_OUTCOME}\b|\[gw\d+\] \[\s*\d+%\] {_OUTCOME} (\S+::\S+))", re.M)
+
+
 def _pytest_outcomes(stdout: str) -> dict[str, int]:
-  """Outcome counts from pytest -v lines ("tests/x.py::test_y[p] PASSED  [ 3%]")."""
-  outcomes = re.findall(r"^\S+::.* (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", stdout, re.M)
-  return {k.lower(): outcomes.count(k) for k in sorted(set(outcomes))}
+  """Outcome counts from pytest -v lines, with or without pytest-xdist; "failed_tests": the failed ones."""
+  counts, failed = {}, []
+  for plain_test, plain_outcome, xdist_outcome, xdist_test in _VERBOSE_LINE.findall(stdout):
+    outcome, test = (plain_outcome, plain_test) if plain_outcome else (xdist_outcome, xdist_test)
+    counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
+    if outcome in ("FAILED", "ERROR"):
+      failed.append(test.strip())
+  out = dict(sorted(counts.items()))
+  return {**out, "failed_tests": failed} if failed else out
 
 
 def stage_kernel_tests(limit_s: float, logs: pathlib.Path, smoke: bool, gpu: bool) -> dict:
@@ -450,7 +461,9 @@ def _one_line(name: str, stage: dict) -> str:
     elif name == "mosaic_variants" and figures.get("rows"):
       rows = [r for r in figures["rows"] if r.get("device_us") or r.get("wall_us")]
       line += f"  {len(rows)} rows; " + "; ".join(
-        f"{r['name']}{' M=' + str(r['M']) if 'M' in r else ''} {r.get('device_us') or r.get('wall_us')} us" for r in rows[:4]
+        f"{r['name']}{' M=' + str(r['M']) if 'M' in r else ''} "
+        + (f"{r['device_us']} us (device)" if r.get("device_us") else f"{r.get('wall_us')} us (wall)")
+        for r in rows[:4]
       )
     elif name == "fp4_matmul":
       dense = [f"M={r['m']} K={r['k']} {r['speedup']:.2f}x" for r in figures.get("dense", []) if r.get("speedup")]

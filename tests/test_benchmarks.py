@@ -128,7 +128,11 @@ def test_junit_figures(tmp_path):
   assert "error" in gpu_check._junit_figures(tmp_path / "missing.xml")
   # A run cut off at its limit writes no xml: the -v lines are counted instead.
   stdout = "tests/t.py::test_a[1-x y] PASSED   [ 10%]\ntests/t.py::test_b FAILED [ 20%]\ntests/t.py::test_c PASSED\n"
-  assert gpu_check._pytest_outcomes(stdout) == {"passed": 2, "failed": 1}
+  assert gpu_check._pytest_outcomes(stdout) == {"passed": 2, "failed": 1, "failed_tests": ["tests/t.py::test_b"]}
+  xdist = "[gw0] [ 10%] PASSED tests/t.py::test_a[1-x]\n[gw3] [ 20%] FAILED tests/t.py::test_b\n[gw1] [100%] SKIPPED tests/t.py::c\n"
+  assert gpu_check._pytest_outcomes(xdist) == {
+    "passed": 1, "failed": 1, "skipped": 1, "failed_tests": ["tests/t.py::test_b"]
+  }  # fmt: skip
 
 
 def test_fp4_report_is_strict_json_and_rewritten_per_row(tmp_path):
