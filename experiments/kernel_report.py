@@ -80,6 +80,7 @@ class Case:
   fmt: str = "nvfp4"
   ptx_decode: bool = False
   compute_wgs: int = 1  # mosaic_fp4: consumer warpgroups per block (MosaicTiles.compute_wgs), else the default tiles
+  parts: int = 1  # mosaic_fp4: wgmma groups per warpgroup per step (MosaicTiles.parts)
   label: str = ""
 
 
@@ -100,7 +101,8 @@ TEST_CASES = [
   Case("mosaic_fp4", 64 * 8, 2048, 768, experts=128, tokens=64, label="mosaic_grouped_down"),
   Case("mosaic_fp4", 12, 256, 1024, label="mosaic_fp4_m12"),  # M > 8, not a multiple of 8: x padded
   Case("mosaic_fp4", 20, 128, 256, experts=6, tokens=10, label="mosaic_grouped_small"),
-  Case("mosaic_fp4", 16, 8192, 8192, compute_wgs=2, label="mosaic_fp4_2wg"),  # not the default: timed on a GPU next
+  # not the default: timed on a GPU next (two consumer warpgroups, each step in two wgmma groups)
+  Case("mosaic_fp4", 16, 8192, 8192, compute_wgs=2, parts=2, label="mosaic_fp4_2wg"),
   Case("engine", 64, 2048, 768, experts=128, tokens=64, label="engine_step"),
 ]
 
@@ -119,7 +121,9 @@ def cases(which: str) -> list[Case]:
   for wgs in (1, 2):
     out += [Case("mosaic_fp4", m, 8192, 8192, compute_wgs=wgs) for m in (1, 8, 16, 64)]
     for tokens in (64, 256):
-      out += [Case("mosaic_fp4", tokens * 8, n, k, 128, tokens, compute_wgs=wgs) for n, k in ((1536, 2048), (2048, 768))]
+      out += [
+        Case("mosaic_fp4", tokens * 8, n, k, 128, tokens, compute_wgs=wgs) for n, k in ((1536, 2048), (2048, 768))
+      ]
   out += [Case("mosaic_int8", m, 8192, 8192, fmt="int8") for m in (16, 64)]
   return out + [Case("engine", 64, 2048, 768, experts=128, tokens=64)]
 
@@ -162,6 +166,7 @@ class MosaicTiles:
   cluster: int = 1  # blocks that share one copy of each x tile (TMA multicast)
   slots: int = 0  # pipeline slots (fp4_mosaic)
   compute_wgs: int = 1  # consumer warpgroups per block (fp4_mosaic), each with the block_k above
+  parts: int = 1  # wgmma groups per warpgroup per step (fp4_mosaic)
 
 
 def _mosaic_int8_matmul(case: Case):
@@ -283,13 +288,15 @@ def _mosaic_fp4_row(case: Case) -> dict:
   x = jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16)
   if case.experts:
     t = mosaic.default_grouped_tiles(case.m, case.experts, case.k, case.n)
-    t = dataclasses.replace(t, compute_wgs=case.compute_wgs)
+    t = dataclasses.replace(t, compute_wgs=case.compute_wgs, parts=case.parts)
     sizes = jax.ShapeDtypeStruct((case.experts,), jnp.int32)
     program = gpu_compile.compile_for_h200(functools.partial(mosaic.grouped_fp4_matmul_mosaic, tiles=t), x, sizes, w)
     group_sizes = sampled_group_sizes(case)
     streamed, distinct = int(np.sum(mosaic.passes(group_sizes, t.block_m))), int(np.sum(group_sizes > 0))
   else:
-    t = dataclasses.replace(mosaic.default_tiles(case.m, case.k, case.n), compute_wgs=case.compute_wgs)
+    t = dataclasses.replace(
+      mosaic.default_tiles(case.m, case.k, case.n), compute_wgs=case.compute_wgs, parts=case.parts
+    )
     program = gpu_compile.compile_for_h200(functools.partial(mosaic.fp4_matmul_mosaic, tiles=t), x, w)
     streamed = distinct = 1
   tiles = MosaicTiles(  # a compute warpgroup's weights per pipeline step: row_tiles x 64 rows x its share of block_k
@@ -299,6 +306,7 @@ def _mosaic_fp4_row(case: Case) -> dict:
     cluster=t.cluster,
     slots=t.max_concurrent_steps,
     compute_wgs=t.compute_wgs,
+    parts=t.parts,
   )
   return _row(case, program, tiles, streamed, distinct, 0, 0.5 + 1 / 16)
 
@@ -357,6 +365,7 @@ def markdown(rows: list[dict]) -> str:
       shape = f"{r['tokens']} tok x top-8 of {r['experts']}, [{r['n']}, {r['k']}] (streams {r['expert_streams']} / {r['experts_with_rows']})"
     roof = r["roofline_us"]
     kind = r["kind"] + (f" ({t['compute_wgs']} warpgroups)" if t.get("compute_wgs", 1) > 1 else "")
+    kind += f" ({t['parts']} parts)" if t.get("parts", 1) > 1 else ""
     lines.append(
       f"| {kind} | {shape} | {'yes' if r['ptx_decode'] else 'no'} | {t['block_m']}, {t['block_n']}, {t['block_k']}, "
       f"{t['k_splits']}, {t.get('cluster', 1)} | {r['launches']} | {r['registers']} | {r['spill_bytes']} | "

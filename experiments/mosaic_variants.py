@@ -12,8 +12,9 @@ costs; the second is what a kernel change moves. GB/s are from device_us where t
 
 In this order (BUDGET_S, default 270, stops it early): dense K = N = 8192 at M = 1, 8, 64: XLA's bf16
 dot; the kernel's defaults, `overlap`, two compute warpgroups (`compute_wgs`, each half of every
-step's K), both. Grouped, 64 tokens top-8 of 128 experts, gate_up [1536, 2048] and down [2048, 768]:
-the defaults, two compute warpgroups, and two bf16 baselines: the Triton grouped kernel of the same
+step's K), both, a step in 2 or 4 wgmma groups (`parts`). Grouped, 64 tokens top-8 of 128 experts,
+gate_up [1536, 2048] and down [2048, 768]: the defaults, two compute warpgroups, 2 parts, and two bf16
+baselines: the Triton grouped kernel of the same
 family on bf16 weights (`grouped_bf16_matmul`) and XLA's `lax.ragged_dot`. Last, M = 8 with the
 decode replaced by register moves ("nodecode": the copies and MMAs alone; wrong values, timing only). Every call reads its own weight copy (more than
 the 50 MB L2 in all). Earlier runs: docs/gpu_check/h200-2026-12-04-mosaic_variants.json (wall
@@ -100,13 +101,18 @@ def dense_variants(m):
     ("overlap", T(bm, 512, slots, overlap=True)),
     ("2wg bk512", T(bm, 512, slots, compute_wgs=2)),
     ("2wg overlap bk512", T(bm, 512, slots, overlap=True, compute_wgs=2)),
+    ("parts2", T(bm, 512, slots, parts=2)),
+    ("parts4", T(bm, 512, slots, parts=4)),
   ]
   if bm == 16:
-    out.append(("2wg bk1024", T(16, 1024, 2, compute_wgs=2)))
+    out += [
+      ("2wg bk1024", T(16, 1024, 2, compute_wgs=2)),
+      ("2wg parts2 bk1024", T(16, 1024, 2, compute_wgs=2, parts=2)),
+    ]
   return out
 
 
-for M in (1, 8, 64):
+def dense(M):
   x = jax.random.normal(jax.random.key(2), (M, K), jnp.bfloat16)
   ref = np.asarray(x.astype(F) @ ref_w.T)
   rec("bf16 dot [K,N]", NW, multi(jnp.dot), (x, wb), M=M, weight_bytes=BF16_BYTES)
@@ -117,41 +123,56 @@ for M in (1, 8, 64):
       M=M, tiles=str(t or fm.default_tiles(M, K, N)), weight_bytes=FP4_BYTES,
     )  # fmt: skip
 
+
 # --- grouped: 64 tokens top-8 of 128 experts -----------------------------------------------------
 E = 128
-for n, k in ((1536, 2048), (2048, 768)):
-  if time.time() - T0 > BUDGET_S:
-    break
-  qe = fp4.quantize(jax.random.normal(jax.random.key(3), (E, n, k)), "nvfp4")
-  we = fm.pack_fragments(qe)
-  wes = [we, jax.tree.map(jnp.copy, we)]
-  wbs = [jax.random.normal(jax.random.key(20 + i), (E, n, k), jnp.bfloat16) for i in range(2)]
-  ids = np.random.default_rng(0).integers(0, E, 512)
-  sizes = jnp.asarray(np.bincount(ids, minlength=E), jnp.int32)
-  x = jax.random.normal(jax.random.key(4), (512, k), jnp.bfloat16)
-  ref = np.asarray(g.grouped_fp4_matmul_reference(x, sizes, qe, out_dtype=F))
-  touched = int(np.sum(np.asarray(sizes) > 0))
-  fp4_bytes, bf16_bytes = touched * n * k * 0.5625, touched * n * k * 2
-  default = fm.default_grouped_tiles(512, E, k, n)
-  label = f"grouped [{n},{k}] "
-  for name, t in (("default", default), ("2wg", dataclasses.replace(default, compute_wgs=2))):
-    f = lambda x, w, sizes, t=t: fm.grouped_fp4_matmul_mosaic(x, sizes, w, tiles=t, out_dtype=F)
+
+
+def grouped():
+  for n, k in ((1536, 2048), (2048, 768)):
+    if time.time() - T0 > BUDGET_S:
+      break
+    qe = fp4.quantize(jax.random.normal(jax.random.key(3), (E, n, k)), "nvfp4")
+    we = fm.pack_fragments(qe)
+    wes = [we, jax.tree.map(jnp.copy, we)]
+    wbs = [jax.random.normal(jax.random.key(20 + i), (E, n, k), jnp.bfloat16) for i in range(2)]
+    ids = np.random.default_rng(0).integers(0, E, 512)
+    sizes = jnp.asarray(np.bincount(ids, minlength=E), jnp.int32)
+    x = jax.random.normal(jax.random.key(4), (512, k), jnp.bfloat16)
+    ref = np.asarray(g.grouped_fp4_matmul_reference(x, sizes, qe, out_dtype=F))
+    touched = int(np.sum(np.asarray(sizes) > 0))
+    fp4_bytes, bf16_bytes = touched * n * k * 0.5625, touched * n * k * 2
+    default = fm.default_grouped_tiles(512, E, k, n)
+    label = f"grouped [{n},{k}] "
+    for name, t in (
+      ("default", default),
+      ("2wg", dataclasses.replace(default, compute_wgs=2)),
+      ("parts2", dataclasses.replace(default, parts=2)),
+    ):
+      f = lambda x, w, sizes, t=t: fm.grouped_fp4_matmul_mosaic(x, sizes, w, tiles=t, out_dtype=F)
+      rec(
+        label + name, 2, multi(f), (x, wes, sizes), check=lambda f=f, x=x, we=we, ref=ref, sizes=sizes: rel_err(f(x, we, sizes), ref),
+        tiles=str(t), weight_bytes=fp4_bytes, experts_with_rows=touched,
+      )  # fmt: skip
+    bf16_ref = np.asarray(
+      jax.lax.ragged_dot(x.astype(F), jnp.swapaxes(wbs[0], 1, 2).astype(F), sizes, precision="highest")
+    )
+    triton = lambda x, w, sizes: g.grouped_bf16_matmul(x, sizes, w, out_dtype=F)
     rec(
-      label + name, 2, multi(f), (x, wes, sizes), check=lambda f=f, x=x, we=we, ref=ref, sizes=sizes: rel_err(f(x, we, sizes), ref),
-      tiles=str(t), weight_bytes=fp4_bytes, experts_with_rows=touched,
+      label + "bf16 triton (grouped_bf16_matmul)", 2, multi(triton), (x, wbs, sizes), weight_bytes=bf16_bytes,
+      check=lambda triton=triton, x=x, w=wbs[0], sizes=sizes, want=bf16_ref: rel_err(triton(x, w, sizes), want),
     )  # fmt: skip
-  bf16_ref = np.asarray(
-    jax.lax.ragged_dot(x.astype(F), jnp.swapaxes(wbs[0], 1, 2).astype(F), sizes, precision="highest")
-  )
-  triton = lambda x, w, sizes: g.grouped_bf16_matmul(x, sizes, w, out_dtype=F)
-  rec(
-    label + "bf16 triton (grouped_bf16_matmul)", 2, multi(triton), (x, wbs, sizes), weight_bytes=bf16_bytes,
-    check=lambda triton=triton, x=x, w=wbs[0], sizes=sizes, want=bf16_ref: rel_err(triton(x, w, sizes), want),
-  )  # fmt: skip
-  wbs_t = [jnp.swapaxes(w, 1, 2) for w in wbs]  # [E, K, N], made outside the timed call
-  ragged = lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=F)
-  rec(label + "bf16 xla ragged_dot", 2, multi(ragged), (x, wbs_t, sizes), weight_bytes=bf16_bytes)
-  wes = wbs = wbs_t = None  # free the copies before the next shape
+    wbs_t = [jnp.swapaxes(w, 1, 2) for w in wbs]  # [E, K, N], made outside the timed call
+    ragged = lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=F)
+    rec(label + "bf16 xla ragged_dot", 2, multi(ragged), (x, wbs_t, sizes), weight_bytes=bf16_bytes)
+    wes = wbs = wbs_t = None  # free the copies before the next shape
+
+
+# the shapes that matter most first (BUDGET_S may stop the run): decode, then MoE, then M = 64
+dense(1)
+dense(8)
+grouped()
+dense(64)
 
 # no decode arithmetic: the same loads, scales' loads and MMAs (wrong values, timing only). One xor per register
 # keeps both the code word and the scales in use, so that ptxas keeps their shared-memory loads.

@@ -47,6 +47,12 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     is halved and two of them run at once on each SM sub-partition, for the same grid. Each
     warpgroup gets 216 registers (168 at launch; the producer keeps 72: `_registers_fit`), and a
     step of 1024 keeps 512 per warpgroup (2.52 instructions per weight, against 2.70 at 512).
+  * A warpgroup's share of a step can be decoded and multiplied in parts (`MosaicTiles.parts`, off
+    by default until timed): one wgmma group per part, and a wait for the group before the last
+    one, so that part p + 1's decode runs while part p's MMAs do (the compiled loop keeps them in
+    distinct registers: `WARPGROUP.DEPBAR.LE gsb0, 0x1` between the parts). Unlike `overlap` it
+    stays within a step, so that chained items (grouped blocks) can use it. 2 parts of 256: 2.52
+    instructions per weight.
 
 experiments/kernel_report.py counts the compiled loop (pallas_kernels/gpu_compile.py compiles it
 for sm_90a without a GPU): 2.48-2.49 SASS instructions per weight, against 6.6
@@ -389,11 +395,11 @@ mov.b32 $3, {o1, o1};
 }"""
 
 
-def _decode_tile(block_k: int, tile: int = 0, compute_wgs: int = 1):
-  """inline_mgpu function: (the words' smem block [row_tiles, block_k/128, 9, 128])
-  -> its 64-row tile `tile`, bf16 [64, block_k / compute_wgs] (times 2^-7) in registers, wgmma
-  layout: compute warpgroup w's share of the step's K, its K/128 groups from w * block_k / 128 /
-  compute_wgs on (the warpgroup's index comes from the thread index: no argument)."""
+def _decode_tile(width: int, tile: int = 0, first_group: int = 0, wg_groups: int = 0):
+  """inline_mgpu function: (the words' smem block [row_tiles, block_k/128, 9, 128]) -> `width` of K
+  of its 64-row tile `tile`, bf16 [64, width] (times 2^-7) in registers, wgmma layout: the K/128
+  groups from first_group + w * wg_groups on, for compute warpgroup w (its index comes from the
+  thread index: no argument; wg_groups = 0 with one compute warpgroup)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm, vector
   from jax.experimental.mosaic import gpu as mgpu
@@ -407,14 +413,13 @@ def _decode_tile(block_k: int, tile: int = 0, compute_wgs: int = 1):
     bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
     thread = mgpu_utils.thread_idx()
     tid = arith.remui(thread, mgpu_utils.c(THREADS, i32))
-    wg_groups = block_k // SCALE_GROUP_K // compute_wgs
-    group0 = arith.index_cast(index, arith.muli(arith.divui(thread, mgpu_utils.c(THREADS, i32)), mgpu_utils.c(wg_groups, i32)))
+    wg = arith.divui(thread, mgpu_utils.c(THREADS, i32))
+    group0 = arith.index_cast(index, arith.muli(wg, mgpu_utils.c(wg_groups, i32))) if wg_groups else None
     row_of_thread = arith.index_cast(index, arith.shrui(tid, mgpu_utils.c(5, i32)))
     col_of_thread = arith.index_cast(index, arith.shli(arith.andi(tid, mgpu_utils.c(31, i32)), mgpu_utils.c(2, i32)))
     quad_words = arith.index_cast(index, arith.shli(arith.shrui(tid, mgpu_utils.c(2, i32)), mgpu_utils.c(2, i32)))
     tile_index = mgpu_utils.c(tile, index)
     layout = fa.WGMMA_LAYOUT
-    width = block_k // compute_wgs
     registers = np.empty(layout.registers_shape((ROWS, width)), dtype=object)
     four = llvm.StructType.get_literal([i32] * 4)
     bias = mgpu_utils.c(SCALE_BIAS_BITS | SCALE_BIAS_BITS << 16, i32)
@@ -424,7 +429,9 @@ def _decode_tile(block_k: int, tile: int = 0, compute_wgs: int = 1):
       return [llvm.extractvalue(i32, out, [i]) for i in range(4)]
 
     for kg in range(width // GROUP_K):
-      group = arith.addi(group0, mgpu_utils.c(kg // 2, index)) if compute_wgs > 1 else mgpu_utils.c(kg // 2, index)
+      group = mgpu_utils.c(first_group + kg // 2, index)
+      if group0 is not None:
+        group = arith.addi(group0, group)
       row = arith.addi(row_of_thread, mgpu_utils.c(4 * (kg % 2), index))
       words = vector.load(ir.VectorType.get((4,), i32), words_ref, [tile_index, group, row, col_of_thread])
       if kg % 2 == 0:
@@ -444,11 +451,12 @@ def _decode_tile(block_k: int, tile: int = 0, compute_wgs: int = 1):
 
   return plgpu.inline_mgpu(
     arg_types=(plgpu.RefType(),),
-    return_type=plgpu.ShapeDtypeStruct((ROWS, block_k // compute_wgs), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+    return_type=plgpu.ShapeDtypeStruct((ROWS, width), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
   )(decode)
 
 
-REDUCE_BARRIER = 15  # a named barrier of the compute warpgroups (Mosaic's warpgroup barriers take 1-4; 0 is the block's)
+# a named barrier of the compute warpgroups (Mosaic's warpgroup barriers take 1-4; 0 is the block's)
+REDUCE_BARRIER = 15
 
 
 def _sum_warpgroups(block_m: int, compute_wgs: int):
@@ -478,7 +486,11 @@ def _sum_warpgroups(block_m: int, compute_wgs: int):
 
     def sync():
       llvm.inline_asm(
-        ir.Type.parse("!llvm.void"), [], f"bar.sync {REDUCE_BARRIER}, {THREADS * compute_wgs};", "", has_side_effects=True
+        ir.Type.parse("!llvm.void"),
+        [],
+        f"bar.sync {REDUCE_BARRIER}, {THREADS * compute_wgs};",
+        "",
+        has_side_effects=True,
       )
 
     branch = scf.IfOp(second)
@@ -548,7 +560,9 @@ class MosaicTiles:
   tiles_per_block: int = 1  # row units (below) a block computes one after the other (chained pipelines)
   row_tiles: int = 1  # 64-row weight tiles each pipeline step decodes and multiplies by its one x tile (a row unit)
   overlap: bool = False  # a step's decode overlaps the previous step's MMAs (its slot is released a step later)
-  compute_wgs: int = 1  # consumer warpgroups per block, each taking 1 / compute_wgs of every step's K (summed at the end)
+  compute_wgs: int = 1  # consumer warpgroups per block, each 1 / compute_wgs of every step's K (summed at the end)
+  parts: int = 1  # a warpgroup's K of a step is decoded and multiplied in this many parts, part p + 1's decode
+  #                 overlapping part p's MMAs (one wgmma group each, at most two in flight)
 
 
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: the pipeline's slots
@@ -570,6 +584,8 @@ def _registers_fit(compute_wgs: int) -> bool:
   producer = MEMORY_REGISTERS[compute_wgs]
   consumer = int(min(256, (512 - producer) / compute_wgs) // 8 * 8)
   return producer + compute_wgs * min(consumer, 255) <= launch * (compute_wgs + 1)
+
+
 WAVES = 2  # blocks per SM (132 on an H200) a call keeps at least, when its blocks take more rows (below)
 SMS = 132
 
@@ -684,6 +700,11 @@ def grouped_fp4_matmul_mosaic(
       f"grouped_fp4_matmul_mosaic: tiles.compute_wgs = {tiles.compute_wgs} must be 1 or 2, each taking a multiple of "
       f"{SCALE_GROUP_K} of the block_k = {tiles.block_k} of a step."
     )
+  if tiles.parts < 1 or (tiles.block_k // tiles.compute_wgs) % (SCALE_GROUP_K * tiles.parts):
+    raise ValueError(
+      f"grouped_fp4_matmul_mosaic: tiles.parts = {tiles.parts} must split a warpgroup's {tiles.block_k // tiles.compute_wgs} "
+      f"of K per step into multiples of {SCALE_GROUP_K}."
+    )
   if (k // tiles.block_k) % tiles.max_concurrent_steps:
     raise ValueError(
       f"grouped_fp4_matmul_mosaic: tiles.max_concurrent_steps = {tiles.max_concurrent_steps} must divide the "
@@ -698,7 +719,13 @@ def grouped_fp4_matmul_mosaic(
   row_tiles = tiles.row_tiles
   compute_wgs = tiles.compute_wgs
   assert _registers_fit(compute_wgs), MEMORY_REGISTERS  # else a consumer's setmaxnreg.inc never returns
-  decode = [_decode_tile(block_k, t, compute_wgs) for t in range(row_tiles)]
+  parts = tiles.parts
+  part_k = block_k // compute_wgs // parts
+  wg_groups = block_k // compute_wgs // SCALE_GROUP_K if compute_wgs > 1 else 0
+  # decode[p][t]: part p of row tile t (a warpgroup's K groups p * part_k / 128 on, past its own first one)
+  decode = [
+    [_decode_tile(part_k, t, p * part_k // SCALE_GROUP_K, wg_groups) for t in range(row_tiles)] for p in range(parts)
+  ]
   store_rows = _store_rows(block_m, out_dtype)
   sum_warpgroups = _sum_warpgroups(block_m, compute_wgs) if compute_wgs > 1 else None
   wg_k = block_k // compute_wgs  # a compute warpgroup's share of a step's K
@@ -729,11 +756,19 @@ def grouped_fp4_matmul_mosaic(
     def body(_, x_smem, words_smem, accs):
       if compute_wgs > 1:  # this warpgroup's share of K (its words: _decode_tile)
         x_smem = x_smem.at[:, pl.ds(pl.multiple_of(jax.lax.axis_index("wg") * wg_k, wg_k), wg_k)]
-      for decode_tile, acc_ref in zip(decode, accs):  # one x tile for the unit's row tiles
-        plgpu.wgmma(acc_ref, decode_tile(words_smem), plgpu.transpose_ref(x_smem, (1, 0)))
-        # the decoded registers are free again once their MMAs are done: now, or (overlap) after the next
-        # step's decode, when the pipeline releases this step's slot (delay_release=1)
-        plgpu.wgmma_wait(1 if tiles.overlap else 0)
+      if parts == 1:
+        for decode_tile, acc_ref in zip(decode[0], accs):  # one x tile for the unit's row tiles
+          plgpu.wgmma(acc_ref, decode_tile(words_smem), plgpu.transpose_ref(x_smem, (1, 0)))
+          # the decoded registers are free again once their MMAs are done: now, or (overlap) after the next
+          # step's decode, when the pipeline releases this step's slot (delay_release=1)
+          plgpu.wgmma_wait(1 if tiles.overlap else 0)
+        return accs
+      for p in range(parts):  # part p + 1 decodes while part p's MMAs run: at most two wgmma groups in flight
+        x_part = plgpu.transpose_ref(x_smem.at[:, p * part_k : (p + 1) * part_k], (1, 0))
+        for decode_tile, acc_ref in zip(decode[p], accs):
+          plgpu.wgmma(acc_ref, decode_tile(words_smem), x_part)
+          plgpu.wgmma_wait(1)  # the group before this one is done: its registers are free for the next decode
+      plgpu.wgmma_wait(1 if tiles.overlap else 0)
       return accs
 
     def pipeline(compute_context, row0, unit, state):

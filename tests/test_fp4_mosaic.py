@@ -233,6 +233,8 @@ def test_kernel_matches_reference(m, tensor_amax):
     fm.MosaicTiles(bm, 256, 4 if bm == 16 else 2, overlap=True),
     fm.MosaicTiles(bm, 512, 2, compute_wgs=2),
     fm.MosaicTiles(bm, 256, 2, overlap=True, compute_wgs=2),
+    fm.MosaicTiles(bm, 512, 2, parts=4),  # a step in 4 wgmma groups, each part's decode overlapping the last one's MMAs
+    fm.MosaicTiles(bm, 1024, 1, compute_wgs=2, parts=2),
   ):
     got = fm.fp4_matmul_mosaic(x, fm.pack_fragments(w), tiles=tiles, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
@@ -318,6 +320,8 @@ def test_grouped_kernel_rejects_bad_calls():
     fm.grouped_fp4_matmul_mosaic(jnp.ones((24, 128), jnp.bfloat16), jnp.array([24, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, overlap=True))
   with pytest.raises(ValueError, match="compute_wgs = 2 must be 1 or 2, each taking a multiple of 128 of the block_k = 128"):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, compute_wgs=2))
+  with pytest.raises(ValueError, match="parts = 2 must split a warpgroup's 128 of K per step into multiples of 128"):
+    fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, parts=2))
   with pytest.raises(ValueError, match="compute_wgs = 3 must be 1 or 2"):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, compute_wgs=3))
   with pytest.raises(ValueError, match="max_concurrent_steps = 4 must divide the 1 steps"):
@@ -345,6 +349,8 @@ def test_grouped_kernel_matches_reference(per_expert_scale):
     fm.MosaicTiles(16, 256, 2, row_tiles=2),
     fm.MosaicTiles(16, 256, 2, tiles_per_block=2, compute_wgs=2),  # chained: the sums meet once per item
     fm.MosaicTiles(16, 256, 2, row_tiles=2, compute_wgs=2),
+    fm.MosaicTiles(16, 256, 2, tiles_per_block=2, parts=2),
+    fm.MosaicTiles(16, 512, 1, row_tiles=2, compute_wgs=2, parts=2),
   ):
     got = fm.grouped_fp4_matmul_mosaic(x, sizes, packed, tiles=tiles, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
