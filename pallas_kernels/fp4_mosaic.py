@@ -461,11 +461,11 @@ REDUCE_BARRIER = 15
 
 def _sum_warpgroups(block_m: int, compute_wgs: int):
   """inline_mgpu function: (acc [64, block_m] f32 in wgmma layout, each compute warpgroup its partial
-  sum over its share of K; scratch smem f32 [registers, 128, 2]) -> the sum over the warpgroups,
-  in warpgroup 0 (warpgroup 1 gets garbage back: twice its own; only warpgroup 0 stores). Warpgroup 1 writes its registers
-  where its thread's twin in warpgroup 0 reads them (thread-private slots, no bank conflicts),
-  between two named-barrier syncs of the 256 threads (the second keeps the next item's write
-  behind this read)."""
+  sum over its share of K; scratch smem f32 [registers, 128, 2]) -> the sum over the warpgroups, in
+  warpgroup 0 (warpgroup 1 gets twice its own back, unused: only warpgroup 0 stores). Warpgroup 1
+  writes its registers where its thread's twin in warpgroup 0 reads them (thread-private slots, no
+  bank conflicts), between two named-barrier syncs of the 256 threads (the second keeps the next
+  item's write behind this read)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm, scf, vector
   from jax.experimental.mosaic import gpu as mgpu
