@@ -152,16 +152,15 @@ def _median_seconds(fn, args, setup: Setup) -> float:
   return statistics.median(times) / setup.calls
 
 
-def _copies(tree, n: int):
+def copies(tree, n: int):
   """n distinct device copies of an array pytree (a fresh buffer each)."""
   return [tree] + [jax.tree.map(jnp.copy, tree) for _ in range(n - 1)]
 
 
-def _num_copies(bytes_per_call: int, setup: Setup) -> int:
+def _num_copies(setup: Setup) -> int:
   """One weight copy per call: XLA's GPU dot merger turns dots that share an operand into one dot, so
   calls cycling over fewer copies let the bf16 baseline read each copy once for several calls (on an
   H200: 7 TB/s at K = N = 8192, above HBM's 4.8). Distinct copies also keep every read from HBM."""
-  del bytes_per_call
   return 2 if setup.smoke else setup.calls
 
 
@@ -175,13 +174,13 @@ def _time_op(op, xs, weights, setup: Setup, *extra) -> float:
   return _median_seconds(run, (xs, weights, *extra), setup)
 
 
-def _rel_err(actual, expected) -> float:
+def rel_err(actual, expected) -> float:
   a, e = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
   return float(np.abs(a - e).max() / max(np.abs(e).max(), 1e-30))
 
 
 def _error(kernel, *, args, expected) -> float:
-  return _rel_err(kernel(*args), expected)
+  return rel_err(kernel(*args), expected)
 
 
 def measure_copy_bandwidth(setup: Setup) -> float:
@@ -232,9 +231,9 @@ def bench_dense(setup: Setup, copy_bw: float, sweep: bool, report: Report):
     bf16_bytes = n * k * 2 + act_bytes
     fp4_bytes = wq.nbytes + act_bytes
 
-    bf16_t = _time_op(lambda x, w: jnp.dot(x, w.T), xs, _copies(w_bf16, _num_copies(bf16_bytes, setup)), setup)
+    bf16_t = _time_op(lambda x, w: jnp.dot(x, w.T), xs, copies(w_bf16, _num_copies(setup)), setup)
     del w_bf16
-    fp4_weights = _copies(wq, _num_copies(fp4_bytes, setup))
+    fp4_weights = copies(wq, _num_copies(setup))
     kernel = functools.partial(dense.fp4_matmul, interpret=setup.interpret)
     expected = dense.fp4_matmul_reference(xs[0], wq)
     check = functools.partial(_error, args=(xs[0], wq), expected=expected)
@@ -245,9 +244,9 @@ def bench_dense(setup: Setup, copy_bw: float, sweep: bool, report: Report):
       ptx = functools.partial(kernel, ptx_decode=True)
       ptx_t, ptx_err = _time_op(ptx, xs, fp4_weights, setup), check(ptx)
       packed = mosaic.pack_fragments(wq)
-      mosaic_copies = _copies(packed, _num_copies(fp4_bytes, setup))
+      mosaic_copies = copies(packed, _num_copies(setup))
       mosaic_t = _time_op(mosaic.fp4_matmul_mosaic, xs, mosaic_copies, setup)
-      mosaic_err = _rel_err(mosaic.fp4_matmul_mosaic(xs[0], packed), expected)
+      mosaic_err = rel_err(mosaic.fp4_matmul_mosaic(xs[0], packed), expected)
       del mosaic_copies
     w4a4_t = _time_op(functools.partial(kernel, quantize_activations=True), xs, fp4_weights, setup)
     best = np.nanmin([w4a16_t, ptx_t, mosaic_t])
@@ -337,7 +336,7 @@ def bench_grouped(setup: Setup, copy_bw: float, sweep: bool, report: Report):
       bf16_bytes = active * n * k * 2 + act_bytes
       fp4_bytes = active * (n * k // 2 + n * k // wq.fmt.block_size) + act_bytes
 
-      bf16_weights = _copies(w_bf16, _num_copies(bf16_bytes, setup))
+      bf16_weights = copies(w_bf16, _num_copies(setup))
       bf16_kernel = lambda x, w, g: grouped.grouped_bf16_matmul(x, g, w, interpret=setup.interpret)
       bf16_t = _time_grouped(bf16_kernel, xs, bf16_weights, routings, setup)
       try:
@@ -347,7 +346,7 @@ def bench_grouped(setup: Setup, copy_bw: float, sweep: bool, report: Report):
         print(f"      bf16 ragged_dot failed: {type(e).__name__}: {str(e)[:200]}")
         xla_t = float("nan")
       del bf16_weights
-      fp4_weights = _copies(wq, _num_copies(fp4_bytes, setup))
+      fp4_weights = copies(wq, _num_copies(setup))
       kernel = lambda x, w, g, **cfg: grouped.grouped_fp4_matmul(x, g, w, interpret=setup.interpret, **cfg)
       expected = grouped.grouped_fp4_matmul_reference(xs[0], routings[0], wq)
       check = functools.partial(_error, args=(xs[0], wq, routings[0]), expected=expected)
@@ -357,10 +356,10 @@ def bench_grouped(setup: Setup, copy_bw: float, sweep: bool, report: Report):
       if not setup.interpret:
         ptx = functools.partial(kernel, ptx_decode=True)
         ptx_t, ptx_err = _time_grouped(ptx, xs, fp4_weights, routings, setup), check(ptx)
-        mosaic_weights = _copies(packed, _num_copies(fp4_bytes, setup))
+        mosaic_weights = copies(packed, _num_copies(setup))
         mosaic_kernel = lambda x, w, g: mosaic.grouped_fp4_matmul_mosaic(x, g, w)
         mosaic_t = _time_grouped(mosaic_kernel, xs, mosaic_weights, routings, setup)
-        mosaic_err = _rel_err(mosaic_kernel(xs[0], packed, routings[0]), expected)
+        mosaic_err = rel_err(mosaic_kernel(xs[0], packed, routings[0]), expected)
         del mosaic_weights
       best = np.nanmin([fp4_t, ptx_t, mosaic_t])
       shape = dict(experts=num_experts, tokens=tokens)

@@ -36,12 +36,6 @@ class Measurement:
   kernels: dict[str, float]  # per kernel name, us per call
   lines: dict[str, float]  # every line of the trace ("process | thread"), us per call: to check what was counted
 
-  def as_dict(self) -> dict:
-    top = dict(sorted(self.kernels.items(), key=lambda kv: -kv[1])[:8])
-    return dict(wall_us=round(self.wall_us, 2), device_us=None if self.device_us is None else round(self.device_us, 2),
-                kernels={k: round(v, 2) for k, v in top.items()},
-                lines={k: round(v, 2) for k, v in sorted(self.lines.items(), key=lambda kv: -kv[1])[:8]})  # fmt: skip
-
 
 def _is_stream(process: str, thread: str) -> bool:
   """A GPU's kernel stream line of the trace (not its XLA Ops / Modules summaries, not the host)."""

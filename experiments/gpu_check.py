@@ -160,12 +160,6 @@ def _stage_record(cmd, result, limit_s, ok: bool, **extra) -> dict:
   )
 
 
-def _has_module(name: str) -> bool:
-  import importlib.util
-
-  return importlib.util.find_spec(name) is not None
-
-
 def _child_env(**extra) -> dict:
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
@@ -367,7 +361,7 @@ def stage_kernel_tests(limit_s: float, logs: pathlib.Path, smoke: bool, gpu: boo
   cmd = [sys.executable, "-m", "pytest", *tests, "-v", "-rfEs", f"--junitxml={xml}"]
   if smoke:
     cmd += ["-k", SMOKE_KERNEL_TESTS]
-  elif gpu and _has_module("xdist"):  # ~90 kernels to compile cold (CPU-bound: ptxas, Triton): 4 processes
+  elif gpu and "pytest-xdist" in _installed():  # ~90 kernels to compile cold (CPU-bound: ptxas, Triton): 4 processes
     cmd += ["-n", "4", "--dist", "load"]
   interpret = not gpu  # on a GPU: compiled, and the tests refuse to fall back to the interpreter
   env = _child_env(TRACE_PALLAS_INTERPRET=int(interpret), XLA_PYTHON_CLIENT_PREALLOCATE="false")  # 4 share the GPU

@@ -286,17 +286,15 @@ def _mosaic_fp4_row(case: Case) -> dict:
   """fp4_mosaic's kernel: dense (experts = 0) or grouped, the weight packed as wgmma fragments."""
   w = jax.eval_shape(mosaic.pack_fragments, _weight(case))
   x = jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16)
+  options = dict(compute_wgs=case.compute_wgs, parts=case.parts)  # on top of the default tiles
   if case.experts:
-    t = mosaic.default_grouped_tiles(case.m, case.experts, case.k, case.n)
-    t = dataclasses.replace(t, compute_wgs=case.compute_wgs, parts=case.parts)
+    t = dataclasses.replace(mosaic.default_grouped_tiles(case.m, case.experts, case.k, case.n), **options)
     sizes = jax.ShapeDtypeStruct((case.experts,), jnp.int32)
     program = gpu_compile.compile_for_h200(functools.partial(mosaic.grouped_fp4_matmul_mosaic, tiles=t), x, sizes, w)
     group_sizes = sampled_group_sizes(case)
     streamed, distinct = int(np.sum(mosaic.passes(group_sizes, t.block_m))), int(np.sum(group_sizes > 0))
   else:
-    t = dataclasses.replace(
-      mosaic.default_tiles(case.m, case.k, case.n), compute_wgs=case.compute_wgs, parts=case.parts
-    )
+    t = dataclasses.replace(mosaic.default_tiles(case.m, case.k, case.n), **options)
     program = gpu_compile.compile_for_h200(functools.partial(mosaic.fp4_matmul_mosaic, tiles=t), x, w)
     streamed = distinct = 1
   tiles = MosaicTiles(  # a compute warpgroup's weights per pipeline step: row_tiles x 64 rows x its share of block_k

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import device_time
+from experiments.bench_fp4_matmul import copies, rel_err
 from pallas_kernels import fp4_mosaic as fm
 from pallas_kernels import grouped_fp4_matmul as g
 from trace_jax import fp4
@@ -76,18 +77,11 @@ def rec(name, calls, fn, args, *, check=None, weight_bytes=0, **kw):
   json.dump(rows, open(f"{OUT}/mosaic_variants.json", "w"), indent=1)
 
 
-def rel_err(got, want) -> float:
-  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-  return float(np.abs(got - want).max() / np.abs(want).max())
-
-
 # --- dense K = N = 8192 -------------------------------------------------------------------------
 K = N = 8192
 NW = 4  # weight copies per call: 4 x 37.7 MB FP4 (151 MB) / 4 x 134 MB bf16 > 50 MB L2
 q = fp4.quantize(jax.random.normal(jax.random.key(0), (N, K)), "nvfp4")
-ws = [fm.pack_fragments(q)] + [None] * (NW - 1)
-for i in range(1, NW):
-  ws[i] = jax.tree.map(jnp.copy, ws[0])
+ws = copies(fm.pack_fragments(q), NW)
 wb = [jax.random.normal(jax.random.key(10 + i), (K, N), jnp.bfloat16) for i in range(NW)]
 ref_w = fp4.dequantize(q, F)
 FP4_BYTES, BF16_BYTES = K * N * 0.5625, K * N * 2
@@ -134,7 +128,7 @@ def grouped():
       break
     qe = fp4.quantize(jax.random.normal(jax.random.key(3), (E, n, k)), "nvfp4")
     we = fm.pack_fragments(qe)
-    wes = [we, jax.tree.map(jnp.copy, we)]
+    wes = copies(we, 2)
     wbs = [jax.random.normal(jax.random.key(20 + i), (E, n, k), jnp.bfloat16) for i in range(2)]
     ids = np.random.default_rng(0).integers(0, E, 512)
     sizes = jnp.asarray(np.bincount(ids, minlength=E), jnp.int32)

@@ -413,8 +413,10 @@ def _decode_tile(width: int, tile: int = 0, first_group: int = 0, wg_groups: int
     bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
     thread = mgpu_utils.thread_idx()
     tid = arith.remui(thread, mgpu_utils.c(THREADS, i32))
-    wg = arith.divui(thread, mgpu_utils.c(THREADS, i32))
-    group0 = arith.index_cast(index, arith.muli(wg, mgpu_utils.c(wg_groups, i32))) if wg_groups else None
+    group0 = None  # the warpgroup's first K group
+    if wg_groups:
+      wg = arith.divui(thread, mgpu_utils.c(THREADS, i32))
+      group0 = arith.index_cast(index, arith.muli(wg, mgpu_utils.c(wg_groups, i32)))
     row_of_thread = arith.index_cast(index, arith.shrui(tid, mgpu_utils.c(5, i32)))
     col_of_thread = arith.index_cast(index, arith.shli(arith.andi(tid, mgpu_utils.c(31, i32)), mgpu_utils.c(2, i32)))
     quad_words = arith.index_cast(index, arith.shli(arith.shrui(tid, mgpu_utils.c(2, i32)), mgpu_utils.c(2, i32)))
@@ -720,15 +722,15 @@ def grouped_fp4_matmul_mosaic(
   compute_wgs = tiles.compute_wgs
   assert _registers_fit(compute_wgs), MEMORY_REGISTERS  # else a consumer's setmaxnreg.inc never returns
   parts = tiles.parts
-  part_k = block_k // compute_wgs // parts
-  wg_groups = block_k // compute_wgs // SCALE_GROUP_K if compute_wgs > 1 else 0
+  wg_k = block_k // compute_wgs  # a compute warpgroup's share of a step's K
+  part_k = wg_k // parts
+  wg_groups = wg_k // SCALE_GROUP_K if compute_wgs > 1 else 0
   # decode[p][t]: part p of row tile t (a warpgroup's K groups p * part_k / 128 on, past its own first one)
   decode = [
     [_decode_tile(part_k, t, p * part_k // SCALE_GROUP_K, wg_groups) for t in range(row_tiles)] for p in range(parts)
   ]
   store_rows = _store_rows(block_m, out_dtype)
   sum_warpgroups = _sum_warpgroups(block_m, compute_wgs) if compute_wgs > 1 else None
-  wg_k = block_k // compute_wgs  # a compute warpgroup's share of a step's K
 
   per_block = tiles.tiles_per_block
   steps = k // block_k

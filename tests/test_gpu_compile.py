@@ -172,8 +172,9 @@ def test_mosaic_gpu_kernel_compiles_to_sass(rows):
 )
 def test_mosaic_fp4_kernel(rows, label):
   """The FP4 Mosaic kernel at decode (dense M = 1, 16 and 64, K = N = 8192; grouped: 64 tokens top-8 of 128
-  experts, gate_up [1536, 2048] and down [2048, 768]; M = 8 and 256 tokens are in the full report): one launch (no pad, no transpose, no scale
-  multiply, no group metadata outside it), 32 HGMMA per warpgroup per K step (512 / 16; down: two 64-row
+  experts, gate_up [1536, 2048] and down [2048, 768]; M = 8 and 256 tokens are in the full report): one
+  launch (no pad, no transpose, no scale multiply, no group metadata outside it), 32 HGMMA per
+  warpgroup per K step (512 / 16; down: two 64-row
   tiles x 256 / 16), and within the issue's budget of 2.5 instructions per weight (today 2.46-2.48): 11 per
   8 weights decode the codes, 4 multiplies apply the scales, 1.5 decode them, then the HGMMA and its
   descriptor, and the loop's fixed cost. Issue time stays under memory time in the roofline model. The
