@@ -14,11 +14,13 @@ In this order (BUDGET_S, default 270, stops it early): dense K = N = 8192 at M =
 dot; the kernel's defaults, `overlap`, two compute warpgroups (`compute_wgs`, each half of every
 step's K), both, a step in 2 or 4 wgmma groups (`parts`). Grouped, 64 tokens top-8 of 128 experts,
 gate_up [1536, 2048] and down [2048, 768]: the defaults, two compute warpgroups, 2 parts, and two bf16
-baselines: the Triton grouped kernel of the same
-family on bf16 weights (`grouped_bf16_matmul`) and XLA's `lax.ragged_dot`. Last, M = 8 with the
-decode replaced by register moves ("nodecode": the copies and MMAs alone; wrong values, timing only). Every call reads its own weight copy (more than
-the 50 MB L2 in all). Earlier runs: docs/gpu_check/h200-2026-12-04-mosaic_variants.json (wall
-clock only).
+baselines: the Triton grouped kernel of the same family on bf16 weights (`grouped_bf16_matmul`) and XLA's
+`lax.ragged_dot`. Last, M = 8 with the decode replaced by register moves ("nodecode": the copies and MMAs
+alone; wrong values, timing only). Every call reads its own weight copy (more than the 50 MB L2 in all).
+
+A row that runs past ROW_S (a kernel that hangs) ends the process; rerun with RESUME=1 to keep the rows so
+far, record that one as hung and go on (gpu_check does). Earlier runs:
+docs/gpu_check/h200-2026-12-04-mosaic_variants.json (wall clock only).
 """
 
 import dataclasses
@@ -42,8 +44,16 @@ F = jnp.float32
 T0 = time.time()
 OUT = os.environ.get("OUT", "/tmp")
 BUDGET_S = float(os.environ.get("BUDGET_S", 270))  # stop starting rows after this
-ROW_S = 90  # a row that takes longer (a kernel that hangs) ends the run, with a traceback; the rows so far are kept
+ROW_S = float(os.environ.get("ROW_S", 45))  # a longer row (a kernel that hangs) ends the run, with a traceback
+JSON, PENDING = f"{OUT}/mosaic_variants.json", f"{OUT}/mosaic_variants.pending"
 rows = []
+if os.environ.get("RESUME") == "1":  # a rerun after a hang: keep the rows so far, record the hung one, skip both
+  rows = json.load(open(JSON)) if os.path.exists(JSON) else []
+  if os.path.exists(PENDING):
+    rows.append(dict(json.load(open(PENDING)), error=f"hung: no result within {ROW_S} s, the process was ended"))
+    json.dump(rows, open(JSON, "w"), indent=1)  # now, in case the next row hangs too
+    os.remove(PENDING)
+DONE = {(r["name"], r.get("M")) for r in rows}
 print(jax.__version__, jax.devices(), flush=True)
 
 
@@ -53,9 +63,10 @@ def multi(op):  # one jitted call running op over every weight copy (no XLA merg
 
 def rec(name, calls, fn, args, *, check=None, weight_bytes=0, **kw):
   """Times fn(*args) (`calls` ops per call), checks one op against the reference, writes the row."""
-  if time.time() - T0 > BUDGET_S:
+  if time.time() - T0 > BUDGET_S or (name, kw.get("M")) in DONE:
     return
   row = dict(name=name, **kw)
+  json.dump(row, open(PENDING, "w"))  # what a hang (the process ended below) leaves for a rerun with RESUME=1
   faulthandler.dump_traceback_later(ROW_S, exit=True)
   try:
     if check is not None:
@@ -74,7 +85,8 @@ def rec(name, calls, fn, args, *, check=None, weight_bytes=0, **kw):
     faulthandler.cancel_dump_traceback_later()
   rows.append(row)
   print(json.dumps(row), flush=True)
-  json.dump(rows, open(f"{OUT}/mosaic_variants.json", "w"), indent=1)
+  json.dump(rows, open(JSON, "w"), indent=1)
+  os.remove(PENDING)
 
 
 # --- dense K = N = 8192 -------------------------------------------------------------------------
