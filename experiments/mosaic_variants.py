@@ -10,17 +10,18 @@ jitted call (dispatch to block_until_ready, divided by the calls it makes), and 
 kernels' own time on the GPU's streams from a profiler trace. The first holds dispatch and launch
 costs; the second is what a kernel change moves. GB/s are from device_us where there is one.
 
-In this order (BUDGET_S, default 270, stops it early): dense K = N = 8192 at M = 1, 8, 64: XLA's bf16
-dot; the kernel's defaults, `overlap`, two compute warpgroups (`compute_wgs`, each half of every
-step's K), both, a step in 2 or 4 wgmma groups (`parts`). Grouped, 64 tokens top-8 of 128 experts,
-gate_up [1536, 2048] and down [2048, 768]: the defaults, two compute warpgroups, 2 parts, and two bf16
-baselines: the Triton grouped kernel of the same family on bf16 weights (`grouped_bf16_matmul`) and XLA's
-`lax.ragged_dot`. Last, M = 8 with the decode replaced by register moves ("nodecode": the copies and MMAs
-alone; wrong values, timing only). Every call reads its own weight copy (more than the 50 MB L2 in all).
+In this order (BUDGET_S, default 270, stops it early): dense K = N = 8192 at M = 1, 8: XLA's bf16 dot;
+the kernel's defaults (two compute warpgroups: `compute_wgs`, each half of every step's K), one
+warpgroup, `overlap` (one warpgroup), two warpgroups with 8 slots of block_k 256. Grouped, 64 then 256
+tokens top-8 of 128 experts, gate_up [1536, 2048] and down [2048, 768]: the defaults, one warpgroup, and
+the bf16 baselines: the Triton grouped kernel of the same family on bf16 weights (`grouped_bf16_matmul`)
+and (64 tokens) XLA's `lax.ragged_dot`. Then M = 64, and a wide weight (N = 28672, M = 8): more blocks
+per SM. Every call reads its own weight copy (more than the 50 MB L2 in all).
 
 A row that runs past ROW_S (a kernel that hangs) ends the process; rerun with RESUME=1 to keep the rows so
-far, record that one as hung and go on (gpu_check does). Earlier runs:
-docs/gpu_check/h200-2026-12-04-mosaic_variants.json (wall clock only).
+far, record that one as hung and go on (gpu_check does). Earlier runs: docs/gpu_check/h200-2026-12-04-*.json
+(wall clock only) and h200-2026-12-04b-*.json (device time; also `parts`, two warpgroups with `overlap`,
+and the decode replaced by register moves: 13.1 us at M = 8 against 16.5).
 """
 
 import dataclasses
@@ -102,39 +103,40 @@ FP4_BYTES, BF16_BYTES = K * N * 0.5625, K * N * 2
 def dense_variants(m):
   bm = 16 if m <= 16 else 64
   slots = 4 if bm == 16 else 2
-  out = [
-    ("default", None),
-    ("overlap", T(bm, 512, slots, overlap=True)),
-    ("2wg bk512", T(bm, 512, slots, compute_wgs=2)),
-    ("2wg overlap bk512", T(bm, 512, slots, overlap=True, compute_wgs=2)),
-    ("parts2", T(bm, 512, slots, parts=2)),
-    ("parts4", T(bm, 512, slots, parts=4)),
-  ]
+  out = [("default", None), ("1wg", T(bm, 512, slots))]  # default_tiles: two compute warpgroups
   if bm == 16:
     out += [
-      ("2wg bk1024", T(16, 1024, 2, compute_wgs=2)),
-      ("2wg parts2 bk1024", T(16, 1024, 2, compute_wgs=2, parts=2)),
+      ("overlap 1wg", T(bm, 512, slots, overlap=True)),  # overlap: block_m 16, one warpgroup only
+      ("2wg bk256 s8", T(bm, 256, 8, compute_wgs=2)),  # more, smaller copies in flight
     ]
   return out
 
 
-def dense(M):
+def dense(M, n=N):
   x = jax.random.normal(jax.random.key(2), (M, K), jnp.bfloat16)
-  ref = np.asarray(x.astype(F) @ ref_w.T)
-  rec("bf16 dot [K,N]", NW, multi(jnp.dot), (x, wb), M=M, weight_bytes=BF16_BYTES)
-  for name, t in dense_variants(M):
+  if n == N:
+    q_, ws_, wb_, ref_w_ = q, ws, wb, ref_w
+  else:  # a wider weight: more blocks per SM (N / 64 of them)
+    q_ = fp4.quantize(jax.random.normal(jax.random.key(5), (n, K)), "nvfp4")
+    ws_ = copies(fm.pack_fragments(q_), NW)
+    wb_ = [jax.random.normal(jax.random.key(30 + i), (K, n), jnp.bfloat16) for i in range(NW)]
+    ref_w_ = fp4.dequantize(q_, F)
+  ref = np.asarray(x.astype(F) @ ref_w_.T)
+  label = "" if n == N else f" N={n}"
+  rec("bf16 dot [K,N]" + label, NW, multi(jnp.dot), (x, wb_), M=M, weight_bytes=K * n * 2)
+  for name, t in dense_variants(M) if n == N else [("default", None), ("1wg", T(16, 512, 4))]:
     f = lambda x, w, t=t: fm.fp4_matmul_mosaic(x, w, tiles=t, out_dtype=F)
     rec(
-      "mosaic " + name, NW, multi(f), (x, ws), check=lambda f=f, x=x, ref=ref: rel_err(f(x, ws[0]), ref),
-      M=M, tiles=str(t or fm.default_tiles(M, K, N)), weight_bytes=FP4_BYTES,
+      "mosaic " + name + label, NW, multi(f), (x, ws_), check=lambda f=f, x=x, ref=ref, w=ws_[0]: rel_err(f(x, w), ref),
+      M=M, tiles=str(t or fm.default_tiles(M, K, n)), weight_bytes=K * n * 0.5625,
     )  # fmt: skip
 
 
-# --- grouped: 64 tokens top-8 of 128 experts -----------------------------------------------------
+# --- grouped: top-8 of 128 experts ----------------------------------------------------------------
 E = 128
 
 
-def grouped():
+def grouped(tokens):
   for n, k in ((1536, 2048), (2048, 768)):
     if time.time() - T0 > BUDGET_S:
       break
@@ -142,19 +144,15 @@ def grouped():
     we = fm.pack_fragments(qe)
     wes = copies(we, 2)
     wbs = [jax.random.normal(jax.random.key(20 + i), (E, n, k), jnp.bfloat16) for i in range(2)]
-    ids = np.random.default_rng(0).integers(0, E, 512)
+    ids = np.random.default_rng(0).integers(0, E, tokens * 8)
     sizes = jnp.asarray(np.bincount(ids, minlength=E), jnp.int32)
-    x = jax.random.normal(jax.random.key(4), (512, k), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(4), (tokens * 8, k), jnp.bfloat16)
     ref = np.asarray(g.grouped_fp4_matmul_reference(x, sizes, qe, out_dtype=F))
     touched = int(np.sum(np.asarray(sizes) > 0))
     fp4_bytes, bf16_bytes = touched * n * k * 0.5625, touched * n * k * 2
-    default = fm.default_grouped_tiles(512, E, k, n)
-    label = f"grouped [{n},{k}] "
-    for name, t in (
-      ("default", default),
-      ("2wg", dataclasses.replace(default, compute_wgs=2)),
-      ("parts2", dataclasses.replace(default, parts=2)),
-    ):
+    default = fm.default_grouped_tiles(tokens * 8, E, k, n)
+    label = f"grouped {tokens} tokens [{n},{k}] "
+    for name, t in (("default", default), ("1wg", dataclasses.replace(default, compute_wgs=1))):
       f = lambda x, w, sizes, t=t: fm.grouped_fp4_matmul_mosaic(x, sizes, w, tiles=t, out_dtype=F)
       rec(
         label + name, 2, multi(f), (x, wes, sizes), check=lambda f=f, x=x, we=we, ref=ref, sizes=sizes: rel_err(f(x, we, sizes), ref),
@@ -168,29 +166,20 @@ def grouped():
       label + "bf16 triton (grouped_bf16_matmul)", 2, multi(triton), (x, wbs, sizes), weight_bytes=bf16_bytes,
       check=lambda triton=triton, x=x, w=wbs[0], sizes=sizes, want=bf16_ref: rel_err(triton(x, w, sizes), want),
     )  # fmt: skip
-    wbs_t = [jnp.swapaxes(w, 1, 2) for w in wbs]  # [E, K, N], made outside the timed call
-    ragged = lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=F)
-    rec(label + "bf16 xla ragged_dot", 2, multi(ragged), (x, wbs_t, sizes), weight_bytes=bf16_bytes)
-    wes = wbs = wbs_t = None  # free the copies before the next shape
+    if tokens == 64:
+      wbs_t = [jnp.swapaxes(w, 1, 2) for w in wbs]  # [E, K, N], made outside the timed call
+      ragged = lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=F)
+      rec(label + "bf16 xla ragged_dot", 2, multi(ragged), (x, wbs_t, sizes), weight_bytes=bf16_bytes)
+      wbs_t = None
+    wes = wbs = None  # free the copies before the next shape
 
 
-# the shapes that matter most first (BUDGET_S may stop the run): decode, then MoE, then M = 64
+# the shapes that matter most first (BUDGET_S may stop the run): decode, then MoE, then M = 64, then a wide weight
 dense(1)
 dense(8)
-grouped()
+grouped(64)
+grouped(256)
 dense(64)
-
-# no decode arithmetic: the same loads, scales' loads and MMAs (wrong values, timing only). One xor per register
-# keeps both the code word and the scales in use, so that ptxas keeps their shared-memory loads.
-saved = fm._DECODE_PTX, fm._SCALE_PTX
-fm._DECODE_PTX = "{ xor.b32 $0, $4, $5; xor.b32 $1, $4, $6; xor.b32 $2, $4, $5; xor.b32 $3, $4, $6; }"
-fm._SCALE_PTX = "{ mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4; }"
-jax.clear_caches()
-x = jax.random.normal(jax.random.key(2), (8, K), jnp.bfloat16)
-for name, t in (("nodecode default", None), ("nodecode 2wg bk512", T(16, 512, 4, compute_wgs=2))):
-  f = lambda x, w, t=t: fm.fp4_matmul_mosaic(x, w, tiles=t, out_dtype=F)
-  rec(name, NW, multi(f), (x, ws), M=8, weight_bytes=FP4_BYTES)
-fm._DECODE_PTX, fm._SCALE_PTX = saved
-jax.clear_caches()
+dense(8, n=28672)
 
 print("total", round(time.time() - T0), "s", flush=True)

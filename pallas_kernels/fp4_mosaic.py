@@ -567,7 +567,7 @@ class MosaicTiles:
   #                 overlapping part p's MMAs (one wgmma group each, at most two in flight)
 
 
-SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: the pipeline's slots
+SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: the pipeline's slots (the rest: barriers, scratch)
 
 
 # The producer warpgroup's registers (setmaxnreg), by the consumer warpgroups: one consumer gets 256 either way;
@@ -602,6 +602,13 @@ def default_tiles(m: int, k: int, n: int = 0, experts: int = 1) -> MosaicTiles:
   weight against 2.55 for one tile at 384 (two tiles at 384 copy their 24 descriptors: 2.54; at 512
   they spill).
   As many pipeline slots (up to 4) as fit and divide the steps (chained pipelines): 2 at block_m = 64.
+  Two compute warpgroups (each half of every step's K) where the halves are whole 128-wide scale groups:
+  on an H200 (device time, docs/gpu_check/h200-2026-12-04b-mosaic_variants.json) they were faster than
+  one at every shape timed, though they issue more instructions per weight (2.70 against 2.47, the fixed
+  per-step cost spread over half the weights): K = N = 8192, M = 1: 15.7 us against 16.4; M = 8: 16.0
+  against 16.5; M = 64: 22.9 against 23.4; grouped, 64 tokens, gate_up [1536, 2048]: 100.9 against 104.4,
+  down [2048, 768]: 57.3 against 62.5. Their partial sums' scratch (block_m x 256 bytes) fits in what
+  SMEM_BUDGET leaves of the block's shared memory.
   cluster 1: no x multicast. Measured on an H200 (docs/gpu_check/h200-2026-12-04-mosaic_variants.json),
   multicast to a cluster of block_m / 8 blocks made every call slower, though it cuts x's reads
   through L2 to under half the weight bytes: K = N = 8192, M = 1: 88.7 us against 62.5 us; M = 64
@@ -614,7 +621,8 @@ def default_tiles(m: int, k: int, n: int = 0, experts: int = 1) -> MosaicTiles:
   step_bytes = block_m * block_k * 2 + row_tiles * block_k * ROWS * 9 // 16
   fit = SMEM_BUDGET // step_bytes
   slots = next(s for s in (4, 3, 2, 1) if s <= fit and (k // block_k) % s == 0)  # chained pipelines: s | steps
-  return MosaicTiles(block_m, block_k, max_concurrent_steps=slots, cluster=1, row_tiles=row_tiles)
+  compute_wgs = 2 if block_k % (2 * SCALE_GROUP_K) == 0 else 1
+  return MosaicTiles(block_m, block_k, slots, cluster=1, row_tiles=row_tiles, compute_wgs=compute_wgs)
 
 
 def default_grouped_tiles(m: int, num_experts: int, k: int, n: int = 0) -> MosaicTiles:
@@ -696,6 +704,13 @@ def grouped_fp4_matmul_mosaic(
     raise ValueError(
       "grouped_fp4_matmul_mosaic: tiles.overlap needs one item per block (tiles_per_block = 1, row_tiles = 1, "
       f"M <= block_m; got {tiles}, M = {m}): Pallas' chained pipelines do not take delay_release."
+    )
+  if tiles.overlap and (tiles.compute_wgs > 1 or tiles.block_m > 16):
+    raise ValueError(
+      f"grouped_fp4_matmul_mosaic: tiles.overlap with compute_wgs = {tiles.compute_wgs}, block_m = {tiles.block_m}: "
+      "overlap is right only with one compute warpgroup and block_m = 16 (on an H200 it gave wrong sums with two "
+      "warpgroups, and NaN at block_m = 64, block_k = 512: docs/gpu_check/h200-2026-12-04b-gpu_check.json); "
+      "use compute_wgs=1, block_m=16, or overlap=False."
     )
   if tiles.compute_wgs not in (1, 2) or tiles.block_k % (SCALE_GROUP_K * tiles.compute_wgs):
     raise ValueError(

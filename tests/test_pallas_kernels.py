@@ -196,7 +196,7 @@ def test_tiny_scales(fmt):
 def test_fp4_matmul_smallest_tiles_and_split_k(fmt, with_tensor_scale):
   w = _weights((32, 256), fmt, with_tensor_scale)
   x = _activations(33, 256)
-  block_k = fp4.get_format(fmt).block_size
+  block_k = dense.MIN_BLOCK_K  # one MXFP4 block, two NVFP4 blocks
   out = dense.fp4_matmul(
     x, w, block_m=16, block_n=16, block_k=block_k, k_splits=2, out_dtype=jnp.float32, interpret=INTERPRET
   )
@@ -228,6 +228,7 @@ def test_fp4_matmul_activation_quantization_is_rtn_fake_quant():
     (48, 64, 64, dict(block_n=32), r"N=48 is not a multiple of block_n=32"),
     (32, 96, 96, dict(block_k=64), r"K=96 is not a multiple of block_k=64"),
     (32, 64, 64, dict(block_m=8), r"block_m=8 must be a power of two >= 16"),
+    (32, 64, 64, dict(block_k=16), r"block_k=16 must be a power of two >= 32"),
     (32, 64, 64, dict(block_n=24), r"block_n=24 must be a power of two"),
     (32, 128, 128, dict(block_k=32, k_splits=3), r"k_splits=3 must divide the 4 K tiles"),
     (32, 64, 32, dict(), r"x must be \[M, K=64\]"),
@@ -238,12 +239,6 @@ def test_fp4_matmul_rejects_bad_shapes(n, k, x_k, options, match):
   w = _weights((n, k), "nvfp4", False)
   with pytest.raises(ValueError, match=match):
     dense.fp4_matmul(_activations(4, x_k), w, interpret=INTERPRET, **options)
-
-
-def test_mxfp4_block_k_must_hold_whole_blocks():
-  w = _weights((32, 64), "mxfp4", False)
-  with pytest.raises(ValueError, match=r"block_k=16 must be a multiple of the mxfp4 block 32"):
-    dense.fp4_matmul(_activations(4, 64), w, block_k=16, interpret=INTERPRET)
 
 
 # --- grouped kernel -----------------------------------------------------------------------------
@@ -281,7 +276,7 @@ def test_grouped_fp4_matmul_per_expert_tensor_scales():
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_grouped_fp4_matmul_smallest_tiles(fmt):
   w = _weights((5, 16, 64), fmt, False)
-  block_k = fp4.get_format(fmt).block_size
+  block_k = dense.MIN_BLOCK_K
   _check_grouped(_activations(33, 64), w, GROUPINGS_33, block_m=16, block_n=16, block_k=block_k)
 
 
@@ -389,7 +384,7 @@ def test_kernels_lower_to_triton(fmt, with_tensor_scale, ptx_decode):
 @pytest.mark.skipif(INTERPRET, reason="inline PTX runs on the GPU only (its emulation is tested above)")
 @pytest.mark.parametrize("fmt,with_tensor_scale", WEIGHT_FORMATS)
 def test_ptx_decode_matches_reference(fmt, with_tensor_scale):
-  w, experts = _weights((128, 256), fmt, with_tensor_scale), _weights((4, 32, 256), fmt, with_tensor_scale)
+  w, experts = _weights((128, 256), fmt, with_tensor_scale), _weights((5, 32, 256), fmt, with_tensor_scale)
   x = _activations(33, 256)
   kw = dict(quantize_activations=True, out_dtype=jnp.float32)
   _assert_close(dense.fp4_matmul(x, w, ptx_decode=True, interpret=False, **kw), _dense_reference(x, w, **kw))
