@@ -40,15 +40,15 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
   * Where K leaves no 512-wide step (K = 768: the down projection), a step takes 256 of K on two
     64-row tiles (`MosaicTiles.row_tiles`): one x tile and one set of wgmma descriptors for both, so
     that the loop's fixed cost is spread over as many weights as a 512-wide step.
-  * Two consumer warpgroups per block (`MosaicTiles.compute_wgs = 2`, off by default until a GPU
-    has timed it): each decodes and multiplies half of every step's K into its own accumulator, and
-    the two sums meet once per item, through shared memory between two named-barrier syncs
+  * Two consumer warpgroups per block (`MosaicTiles.compute_wgs = 2`; the default at block_m 16 and
+    64, measured faster on an H200: `default_tiles`): each decodes and multiplies half of every
+    step's K into its own accumulator, and the two sums meet once per item, through shared memory between two named-barrier syncs
     (`_sum_warpgroups`). A block's serial chain per step (wait, decode, 32 dependent wgmmas, wait)
     is halved and two of them run at once on each SM sub-partition, for the same grid. Each
     warpgroup gets 216 registers (168 at launch; the producer keeps 72: `_registers_fit`), and a
     step of 1024 keeps 512 per warpgroup (2.52 instructions per weight, against 2.70 at 512).
-  * A warpgroup's share of a step can be decoded and multiplied in parts (`MosaicTiles.parts`, off
-    by default until timed): one wgmma group per part, and a wait for the group before the last
+  * A warpgroup's share of a step can be decoded and multiplied in parts (`MosaicTiles.parts`, off:
+    measured slower on an H200): one wgmma group per part, and a wait for the group before the last
     one, so that part p + 1's decode runs while part p's MMAs do (the compiled loop keeps them in
     distinct registers: `WARPGROUP.DEPBAR.LE gsb0, 0x1` between the parts). Unlike `overlap` it
     stays within a step, so that chained items (grouped blocks) can use it. 2 parts of 256: 2.52
@@ -59,15 +59,13 @@ for sm_90a without a GPU): 2.48-2.49 SASS instructions per weight, against 6.6
 for the Pallas-Triton kernel. The rollout engine runs it on Hopper (rollout.expert_layout);
 `unpack_fragments` inverts the packing, for the jnp reference.
 
-Measured on an H200 (jax 0.11.2; docs/gpu_check/h200-2026-12-04-*.json): the kernel matches its
-references (every GPU test here passes), but it is far from the memory roofline. K = N = 8192 at the
-default tiles: 62.5 us at M = 1 (600 GB/s of FP4 bytes), 63.6 us at M = 8, 68 us at M = 64,
-against 71-93 us for XLA's bf16 dot (1.1-1.4x, not the 3x the instruction count predicted). With the
-decode replaced by register moves (same copies, same MMAs) M = 8 takes 61.5 us: the decode is not
-what bounds it. Each 512-wide step takes about 3.7 us per block whatever block_k and the slots are,
-which points at the step's serial chain (copies in, 32 dependent wgmmas on one accumulator, the
-wait) rather than at bandwidth or issue. `MosaicTiles.overlap` (the decode of a step overlapping
-the previous step's MMAs) gave 48.9 us at M = 1 but no gain at M = 8 in the same run.
+Measured on an H200 (jax 0.11.2, device time: docs/gpu_check/h200-2026-12-04b-*, -04c-*; README):
+every GPU test here passes. K = N = 8192 at the default tiles: 15.9 us at M = 1, 16.0 at M = 8,
+22.9 at M = 64, against 33.8-40.3 us for XLA's bf16 dot (2.1x, 2.2x, 1.8x), 2.4 TB/s of FP4 bytes.
+With the decode replaced by register moves (same copies, same MMAs) M = 8 takes 13.1 us: the decode
+costs a fifth, the copy pipeline bounds the rest (128 blocks at N = 8192, one per SM; 64 at N = 4096).
+`MosaicTiles.overlap` (the decode of a step overlapping the previous step's MMAs) gained up to 5% at
+block_m 16 with one warpgroup, and gave wrong sums elsewhere: it is refused there.
 
 CPU: the kernel needs an sm_90 GPU (Mosaic GPU has no interpret mode for inline Mosaic code); the
 packing and a numpy emulation of the register decode (`decode_fragments_numpy`, instruction by
@@ -588,6 +586,10 @@ def _registers_fit(compute_wgs: int) -> bool:
   return producer + compute_wgs * min(consumer, 255) <= launch * (compute_wgs + 1)
 
 
+# block_m where two compute warpgroups were timed faster and right on an H200 (default_tiles). At 32 (grouped,
+# 256 tokens) the only timed call ran past 45 s in XLA's compile of the timed function, after the checked call
+# had run and returned: unexplained, so one warpgroup stays the default there until it is timed.
+TWO_WARPGROUPS_BLOCK_M = (16, 64)
 WAVES = 2  # blocks per SM (132 on an H200) a call keeps at least, when its blocks take more rows (below)
 SMS = 132
 
@@ -607,8 +609,9 @@ def default_tiles(m: int, k: int, n: int = 0, experts: int = 1) -> MosaicTiles:
   one at every shape timed, though they issue more instructions per weight (2.70 against 2.47, the fixed
   per-step cost spread over half the weights): K = N = 8192, M = 1: 15.7 us against 16.4; M = 8: 16.0
   against 16.5; M = 64: 22.9 against 23.4; grouped, 64 tokens, gate_up [1536, 2048]: 100.9 against 104.4,
-  down [2048, 768]: 57.3 against 62.5. Their partial sums' scratch (block_m x 256 bytes) fits in what
-  SMEM_BUDGET leaves of the block's shared memory.
+  down [2048, 768]: 57.3 against 62.5 (and again in a second run, docs/gpu_check/h200-2026-12-04c-*).
+  Not yet at block_m = 32 (TWO_WARPGROUPS_BLOCK_M). Their partial sums' scratch (block_m x 256 bytes)
+  fits in what SMEM_BUDGET leaves of the block's shared memory.
   cluster 1: no x multicast. Measured on an H200 (docs/gpu_check/h200-2026-12-04-mosaic_variants.json),
   multicast to a cluster of block_m / 8 blocks made every call slower, though it cuts x's reads
   through L2 to under half the weight bytes: K = N = 8192, M = 1: 88.7 us against 62.5 us; M = 64
@@ -621,7 +624,7 @@ def default_tiles(m: int, k: int, n: int = 0, experts: int = 1) -> MosaicTiles:
   step_bytes = block_m * block_k * 2 + row_tiles * block_k * ROWS * 9 // 16
   fit = SMEM_BUDGET // step_bytes
   slots = next(s for s in (4, 3, 2, 1) if s <= fit and (k // block_k) % s == 0)  # chained pipelines: s | steps
-  compute_wgs = 2 if block_k % (2 * SCALE_GROUP_K) == 0 else 1
+  compute_wgs = 2 if block_k % (2 * SCALE_GROUP_K) == 0 and block_m in TWO_WARPGROUPS_BLOCK_M else 1
   return MosaicTiles(block_m, block_k, slots, cluster=1, row_tiles=row_tiles, compute_wgs=compute_wgs)
 
 

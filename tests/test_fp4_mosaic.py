@@ -99,7 +99,7 @@ def test_passes_counts_the_x_tiles_a_group_touches():
   [
     (1, 8192, 8192, fm.MosaicTiles(16, 512, 4, compute_wgs=2)),
     (16, 8192, 8192, fm.MosaicTiles(16, 512, 4, compute_wgs=2)),
-    (32, 8192, 8192, fm.MosaicTiles(32, 512, 4, compute_wgs=2)),
+    (32, 8192, 8192, fm.MosaicTiles(32, 512, 4)),  # two warpgroups not yet timed at block_m 32
     (64, 8192, 8192, fm.MosaicTiles(64, 512, 2, compute_wgs=2)),  # x's 64 KB per step leave room for 2 slots
     (16, 768, 2048, fm.MosaicTiles(16, 384, 2)),  # 2 steps: the slots divide them; 192 per warpgroup: one
     (64, 256, 192, fm.MosaicTiles(64, 128, 2)),  # 2 steps of 128
@@ -114,10 +114,10 @@ def test_default_tiles(m, k, n, want):
 
 def test_default_grouped_tiles_chain_up_to_4_tiles_while_2_blocks_per_sm_remain():
   assert fm.default_grouped_tiles(64 * 8, 128, 2048, 1536) == fm.MosaicTiles(16, 512, 4, tiles_per_block=4, compute_wgs=2)
-  assert fm.default_grouped_tiles(256 * 8, 128, 2048, 1536) == fm.MosaicTiles(32, 512, 4, tiles_per_block=4, compute_wgs=2)
+  assert fm.default_grouped_tiles(256 * 8, 128, 2048, 1536) == fm.MosaicTiles(32, 512, 4, tiles_per_block=4)
   # down [2048, 768]: steps of 256 on two 64-row tiles (3 steps, 3 slots) instead of one tile at 384
   assert fm.default_grouped_tiles(64 * 8, 128, 768, 2048) == fm.MosaicTiles(16, 256, 3, 1, 4, row_tiles=2, compute_wgs=2)
-  assert fm.default_grouped_tiles(256 * 8, 128, 768, 2048) == fm.MosaicTiles(32, 256, 3, 1, 4, row_tiles=2, compute_wgs=2)
+  assert fm.default_grouped_tiles(256 * 8, 128, 768, 2048) == fm.MosaicTiles(32, 256, 3, 1, 4, row_tiles=2)
   assert fm.default_tiles(16, 768, 2048).row_tiles == 1  # dense: 32 blocks for 132 SMs already
   # One token (8 rows, 8 experts with rows): only their blocks stream, one 64-row tile each.
   assert fm.default_grouped_tiles(8, 128, 768, 2048) == fm.MosaicTiles(16, 384, 2, tiles_per_block=1)

@@ -178,8 +178,10 @@ def test_mosaic_fp4_kernel(rows, label):
   tiles x 256 / 16), and within the issue's budget of 2.5 instructions per weight (today 2.46-2.48): 11 per
   8 weights decode the codes, 4 multiplies apply the scales, 1.5 decode them, then the HGMMA and its
   descriptor, and the loop's fixed cost. Issue time stays under memory time in the roofline model. The
-  model's speedup is not asserted: on an H200 the kernel measured 1.1-1.4x XLA's bf16 dot at these dense
-  shapes, bounded by neither (README, "Measured on an H200")."""
+  model's speedup is not asserted: on an H200 the kernel measured 2.1-2.2x XLA's bf16 dot at M <= 8
+  (device time), bounded by its copy pipeline (README, "measured"). These rows force one compute
+  warpgroup; the default at block_m 16 and 64 is two (test_mosaic_fp4_two_warpgroups), measured faster
+  though it issues more instructions per weight."""
   row = rows[label]
   assert row["launch_names"] == ["kCustomCall"]
   assert row["loop_mmas"] == 32 and row["spill_bytes"] == 0
@@ -207,8 +209,9 @@ def test_mosaic_warpgroups_registers_fit_the_block(rows, label):
 @needs_toolchain
 def test_mosaic_fp4_two_warpgroups(rows):
   """Two consumer warpgroups, each half of every step's K (MosaicTiles.compute_wgs = 2), each half in two
-  wgmma groups (MosaicTiles.parts = 2: the second part's decode overlaps the first part's MMAs); both off
-  by default until timed on a GPU. One launch, no spills, 16 HGMMA per warpgroup per 512-wide step, the
+  wgmma groups (MosaicTiles.parts = 2: the second part's decode overlaps the first part's MMAs). Two
+  warpgroups are the default at block_m 16 and 64 (measured faster on an H200); parts are off (measured
+  slower). One launch, no spills, 16 HGMMA per warpgroup per 512-wide step, the
   fixed per-step cost spread over half the weights: 2.8 instructions per weight today."""
   row = rows["mosaic_fp4_2wg"]
   assert row["launch_names"] == ["kCustomCall"] and row["spill_bytes"] == 0
