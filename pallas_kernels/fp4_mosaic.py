@@ -42,9 +42,10 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     that the loop's fixed cost is spread over as many weights as a 512-wide step.
   * Two consumer warpgroups per block (`MosaicTiles.compute_wgs = 2`; the default at block_m 16 and
     64, measured faster on an H200: `default_tiles`): each decodes and multiplies half of every
-    step's K into its own accumulator, and the two sums meet once per item, through shared memory between two named-barrier syncs
-    (`_sum_warpgroups`). A block's serial chain per step (wait, decode, 32 dependent wgmmas, wait)
-    is halved and two of them run at once on each SM sub-partition, for the same grid. Each
+    step's K into its own accumulator, and the two sums meet once per item, through shared memory
+    between two named-barrier syncs (`_sum_warpgroups`). A block's serial chain per step (wait,
+    decode, 32 dependent wgmmas, wait) is halved and two of them run at once on each SM
+    sub-partition, for the same grid. Each
     warpgroup gets 216 registers (168 at launch; the producer keeps 72: `_registers_fit`), and a
     step of 1024 keeps 512 per warpgroup (2.52 instructions per weight, against 2.70 at 512).
   * A warpgroup's share of a step can be decoded and multiplied in parts (`MosaicTiles.parts`, off:
