@@ -5,7 +5,7 @@ wait besides the kernels; at tens of microseconds per kernel that is no small pa
 XLA's bf16 dot timed that way came to 1.9 TB/s at M = 1, K = N = 8192: far under HBM's 4.8). So
 `measure` runs the calls again under `jax.profiler.trace` and sums the durations of the kernels that
 the GPU's streams ran (CUPTI's events in the Perfetto trace that the profiler writes): per call, per
-kernel name, and in all.
+kernel name, and in all. `RowLog` keeps a diagnostic's rows through a kernel that hangs.
 
   m = measure(f, args, reps=20)     # Measurement(wall_us, device_us, kernels={name: us per call})
 
@@ -17,7 +17,9 @@ trace's "XLA Ops" / "XLA Modules" lines, which span the same kernels again, are 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import faulthandler
 import glob
 import gzip
 import json
@@ -88,3 +90,64 @@ def measure(fn, args, *, reps: int = 20, profile_reps: int = 5) -> Measurement:
         jax.block_until_ready(fn(*args))
     device_us, kernels, lines = parse_trace(_trace_events(directory), profile_reps)
   return Measurement(statistics.median(walls) * 1e6, device_us, kernels, lines)
+
+
+class RowLog:
+  """The rows of a GPU diagnostic, rewritten to `path` (JSON) after each, that survives a kernel that
+  hangs: a hung kernel cannot be interrupted from Python, so `row` ends the process after `row_s`
+  (faulthandler, with a traceback) and leaves the row in progress in `<path>.pending`. A rerun with
+  resume=True keeps the rows so far, records that one with an "error" ("hung: ..."), and `done` skips
+  both; experiments/gpu_check.py reruns while its stage has time left.
+
+    log = RowLog(f"{out}/rows.json", resume=os.environ.get("RESUME") == "1", row_s=45)
+    if not log.done(key):
+      with log.row(dict(name=..., M=...)) as row:
+        row["device_us"] = ...
+  """
+
+  def __init__(self, path: str, *, resume: bool = False, row_s: float = 45, key=lambda row: row["name"]):
+    self.path, self.pending, self.row_s, self.key = path, pending_path(path), row_s, key
+    self.rows = []
+    if resume:
+      self.rows = json.load(open(path)) if os.path.exists(path) else []
+      if os.path.exists(self.pending):
+        hung = json.load(open(self.pending))
+        self.rows.append(dict(hung, error=f"hung: no result within {row_s} s, the process was ended"))
+        self._write()  # now, in case the next row hangs too
+        os.remove(self.pending)
+    elif os.path.exists(self.pending):
+      os.remove(self.pending)
+    self._done = {key(r) for r in self.rows}
+
+  def done(self, key) -> bool:
+    return key in self._done
+
+  def _write(self):
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(self.rows, f, indent=1)
+    os.replace(tmp, self.path)
+
+  @contextlib.contextmanager
+  def row(self, row: dict):
+    """Yields `row` to fill in; an exception inside becomes its "error" (a variant that fails is a finding,
+    not the end of the run). The row is written when the block ends, or as hung by a rerun."""
+    with open(self.pending, "w") as f:
+      json.dump(row, f)
+    faulthandler.dump_traceback_later(self.row_s, exit=True)
+    try:
+      yield row
+    except Exception as e:
+      row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    finally:
+      faulthandler.cancel_dump_traceback_later()
+    self.rows.append(row)
+    self._done.add(self.key(row))
+    print(json.dumps(row), flush=True)
+    self._write()
+    os.remove(self.pending)
+
+
+def pending_path(path: str) -> str:
+  """Where RowLog(path) keeps the row in progress."""
+  return path + ".pending"

@@ -25,8 +25,6 @@ and the decode replaced by register moves: 13.1 us at M = 8 against 16.5).
 """
 
 import dataclasses
-import faulthandler
-import json
 import os
 import time
 
@@ -46,15 +44,12 @@ T0 = time.time()
 OUT = os.environ.get("OUT", "/tmp")
 BUDGET_S = float(os.environ.get("BUDGET_S", 270))  # stop starting rows after this
 ROW_S = float(os.environ.get("ROW_S", 45))  # a longer row (a kernel that hangs) ends the run, with a traceback
-JSON, PENDING = f"{OUT}/mosaic_variants.json", f"{OUT}/mosaic_variants.pending"
-rows = []
-if os.environ.get("RESUME") == "1":  # a rerun after a hang: keep the rows so far, record the hung one, skip both
-  rows = json.load(open(JSON)) if os.path.exists(JSON) else []
-  if os.path.exists(PENDING):
-    rows.append(dict(json.load(open(PENDING)), error=f"hung: no result within {ROW_S} s, the process was ended"))
-    json.dump(rows, open(JSON, "w"), indent=1)  # now, in case the next row hangs too
-    os.remove(PENDING)
-DONE = {(r["name"], r.get("M")) for r in rows}
+log = device_time.RowLog(  # a row past ROW_S ends the process; RESUME=1 records it as hung and goes on
+  f"{OUT}/mosaic_variants.json",
+  resume=os.environ.get("RESUME") == "1",
+  row_s=ROW_S,
+  key=lambda r: (r["name"], r.get("M")),
+)
 print(jax.__version__, jax.devices(), flush=True)
 
 
@@ -64,12 +59,9 @@ def multi(op):  # one jitted call running op over every weight copy (no XLA merg
 
 def rec(name, calls, fn, args, *, check=None, weight_bytes=0, **kw):
   """Times fn(*args) (`calls` ops per call), checks one op against the reference, writes the row."""
-  if time.time() - T0 > BUDGET_S or (name, kw.get("M")) in DONE:
+  if time.time() - T0 > BUDGET_S or log.done((name, kw.get("M"))):
     return
-  row = dict(name=name, **kw)
-  json.dump(row, open(PENDING, "w"))  # what a hang (the process ended below) leaves for a rerun with RESUME=1
-  faulthandler.dump_traceback_later(ROW_S, exit=True)
-  try:
+  with log.row(dict(name=name, **kw)) as row:
     if check is not None:
       row["err"] = check()
     m = device_time.measure(fn, args, reps=10, profile_reps=5)
@@ -80,14 +72,6 @@ def rec(name, calls, fn, args, *, check=None, weight_bytes=0, **kw):
       row["lines"] = m.lines
     us = row["device_us"] or row["wall_us"]
     row["gbps"] = round(weight_bytes / us / 1e3) if weight_bytes else None
-  except Exception as e:  # a variant that does not compile or run is a finding, not the end of the run
-    row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-  finally:
-    faulthandler.cancel_dump_traceback_later()
-  rows.append(row)
-  print(json.dumps(row), flush=True)
-  json.dump(rows, open(JSON, "w"), indent=1)
-  os.remove(PENDING)
 
 
 # --- dense K = N = 8192 -------------------------------------------------------------------------

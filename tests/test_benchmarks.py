@@ -72,6 +72,36 @@ def test_a_stage_past_its_limit_is_killed_and_recorded(tmp_path):
   assert stage["status"] == "failed" and stage["returncode"] == 1 and "it broke" in stage["stderr_tail"]
 
 
+ROWS_SCRIPT = """
+import os, time
+from experiments import device_time
+log = device_time.RowLog(os.environ["OUT"] + "/mosaic_variants.json", resume=os.environ.get("RESUME") == "1", row_s=1)
+for name in ("fine", "hangs", "raises", "after"):
+  if not log.done(name):
+    with log.row(dict(name=name)) as row:
+      if name == "hangs":
+        time.sleep(60)  # as a kernel that never returns: faulthandler ends the process after row_s
+      if name == "raises":
+        raise ValueError("does not compile")
+      row["device_us"] = 1.5
+"""
+
+
+def test_a_row_that_hangs_costs_that_row_not_the_run(tmp_path):
+  # gpu_check's mosaic_variants stage reruns the script (RESUME=1) after a row ends the process.
+  script = tmp_path / "rows.py"
+  script.write_text(ROWS_SCRIPT)
+  stage = gpu_check.stage_mosaic_variants(120, tmp_path, smoke=False, gpu=True, script=str(script))
+  assert stage["runs"] == 2 and stage["returncode"] == 0, stage["stderr_tail"]
+  rows = {r["name"]: r for r in stage["figures"]["rows"]}
+  assert list(rows) == ["fine", "hangs", "raises", "after"]
+  assert rows["fine"]["device_us"] == rows["after"]["device_us"] == 1.5
+  assert rows["hangs"]["error"].startswith("hung: no result within 1")
+  assert rows["raises"]["error"] == "ValueError: does not compile"
+  assert stage["status"] == "failed"  # a row with an error is a finding to look at
+  assert not os.path.exists(device_time.pending_path(str(tmp_path / "mosaic_variants.json")))
+
+
 def test_a_missing_benchmark_is_skipped(tmp_path):
   stage = gpu_check._bench_stage("nope", "experiments/no_such_bench.py", [], 10, tmp_path)
   assert stage["status"] == "skipped" and "not present" in stage["reason"]
