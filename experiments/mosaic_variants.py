@@ -12,7 +12,8 @@ costs; the second is what a kernel change moves. GB/s are from device_us where t
 
 In this order (BUDGET_S, default 270, stops it early): dense K = N = 8192 at M = 1, 8: XLA's bf16 dot;
 the kernel's defaults (two compute warpgroups: `compute_wgs`, each half of every step's K), one
-warpgroup, `overlap` (one warpgroup), two warpgroups with 8 slots of block_k 256. Grouped, 64 then 256
+warpgroup, `overlap` (one warpgroup), and more weight bytes in flight per SM: 5 slots, or x tiles of 8
+rows (block_m 8: wgmma N = 8) with 4, 7 or 14 slots. Grouped, 64 then 256
 tokens top-8 of 128 experts, gate_up [1536, 2048] and down [2048, 768]: the defaults, one warpgroup, and
 the bf16 baselines: the Triton grouped kernel of the same family on bf16 weights (`grouped_bf16_matmul`)
 and (64 tokens) XLA's `lax.ragged_dot`. Then M = 64, and a wide weight (N = 28672, M = 8): more blocks
@@ -20,8 +21,9 @@ per SM. Every call reads its own weight copy (more than the 50 MB L2 in all).
 
 A row that runs past ROW_S (a kernel that hangs) ends the process; rerun with RESUME=1 to keep the rows so
 far, record that one as hung and go on (gpu_check does). Earlier runs: docs/gpu_check/h200-2026-12-04-*.json
-(wall clock only) and h200-2026-12-04b-*.json (device time; also `parts`, two warpgroups with `overlap`,
-and the decode replaced by register moves: 13.1 us at M = 8 against 16.5).
+(wall clock only), h200-2026-12-04b-*.json (device time; also `parts`, two warpgroups with `overlap`,
+and the decode replaced by register moves: 13.1 us at M = 8 against 16.5) and h200-2026-12-04c-*.json
+(also 8 slots of block_k 256: slower).
 """
 
 import dataclasses
@@ -91,7 +93,15 @@ def dense_variants(m):
   if bm == 16:
     out += [
       ("overlap 1wg", T(bm, 512, slots, overlap=True)),  # overlap: block_m 16, one warpgroup only
-      ("2wg bk256 s8", T(bm, 256, 8, compute_wgs=2)),  # more, smaller copies in flight
+      # more weight bytes in flight per SM: a fifth slot (slots need not divide the steps of a lone item), or
+      # x tiles of 8 rows (wgmma N = 8: half of x's shared memory) and 7 or 14 slots
+      ("2wg s5", T(16, 512, 5, compute_wgs=2)),
+    ]
+  if m <= 8:
+    out += [
+      ("bm8 2wg s4", T(8, 512, 4, compute_wgs=2)),
+      ("bm8 2wg s7", T(8, 512, 7, compute_wgs=2)),
+      ("bm8 2wg bk256 s14", T(8, 256, 14, compute_wgs=2)),
     ]
   return out
 

@@ -66,7 +66,9 @@ every GPU test here passes. K = N = 8192 at the default tiles: 15.9 us at M = 1,
 With the decode replaced by register moves (same copies, same MMAs) M = 8 takes 13.1 us: the decode
 costs a fifth, the copy pipeline bounds the rest (128 blocks at N = 8192, one per SM; 64 at N = 4096).
 `MosaicTiles.overlap` (the decode of a step overlapping the previous step's MMAs) gained up to 5% at
-block_m 16 with one warpgroup, and gave wrong sums elsewhere: it is refused there.
+block_m 16 with one warpgroup, and gave wrong sums elsewhere: it is refused there. Not yet timed: more
+weight bytes in flight per SM, by slots that do not divide K's steps (a block with one item) or x
+tiles of 8 rows (block_m = 8, wgmma N = 8: half of x's shared memory, 7 slots of 512).
 
 CPU: the kernel needs an sm_90 GPU (Mosaic GPU has no interpret mode for inline Mosaic code); the
 packing and a numpy emulation of the register decode (`decode_fragments_numpy`, instruction by
@@ -554,7 +556,7 @@ def _store_rows(block_m: int, out_dtype):
 
 @dataclasses.dataclass(frozen=True)
 class MosaicTiles:
-  block_m: int  # tokens per wgmma (its N): 16..64
+  block_m: int  # tokens per wgmma (its N): a multiple of 8 up to 64 (x's copies are tiled 8 rows deep)
   block_k: int  # K per pipeline step (the decoded tile: block_k / 4 registers per thread)
   max_concurrent_steps: int = 4  # pipeline slots
   cluster: int = 1  # blocks of consecutive 64-row tiles (one expert's) that share each x tile: TMA multicast
@@ -726,10 +728,13 @@ def grouped_fp4_matmul_mosaic(
       f"grouped_fp4_matmul_mosaic: tiles.parts = {tiles.parts} must split a warpgroup's {tiles.block_k // tiles.compute_wgs} "
       f"of K per step into multiples of {SCALE_GROUP_K}."
     )
-  if (k // tiles.block_k) % tiles.max_concurrent_steps:
+  if tiles.block_m % 8 or not 8 <= tiles.block_m <= 64:
+    raise ValueError(f"grouped_fp4_matmul_mosaic: tiles.block_m = {tiles.block_m} must be a multiple of 8 from 8 to 64.")
+  chained = tiles.tiles_per_block > 1 or m > tiles.block_m  # a block may run several items, one pipeline each
+  if chained and (k // tiles.block_k) % tiles.max_concurrent_steps:
     raise ValueError(
       f"grouped_fp4_matmul_mosaic: tiles.max_concurrent_steps = {tiles.max_concurrent_steps} must divide the "
-      f"{k // tiles.block_k} steps of K (chained pipelines)."
+      f"{k // tiles.block_k} steps of K when a block chains items (tiles_per_block > 1 or M > block_m)."
     )
   block_m, block_k = tiles.block_m, tiles.block_k
   x = x.astype(jnp.bfloat16)
@@ -867,7 +872,7 @@ def grouped_fp4_matmul_mosaic(
       def _():
         run(0, None, allocations, scratch)
 
-      if per_block > 1 or m > block_m:  # else a block has at most one item
+      if chained:  # else a block has at most one item
 
         @pl.when(items > 1)
         def _():

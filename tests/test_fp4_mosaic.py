@@ -233,6 +233,8 @@ def test_kernel_matches_reference(m, tensor_amax):
     None,  # two compute warpgroups at block_k 512 (default_tiles)
     fm.MosaicTiles(bm, 512, 2),  # one
     *([fm.MosaicTiles(bm, 256, 4, overlap=True)] if bm == 16 else []),  # overlap: block_m 16, one warpgroup only
+    *([fm.MosaicTiles(8, 256, 3, compute_wgs=2), fm.MosaicTiles(8, 512, 1)] if m <= 8 else []),  # wgmma N = 8
+    fm.MosaicTiles(bm, 256, 3, compute_wgs=2),  # slots that do not divide the 4 steps (one item per block)
     fm.MosaicTiles(bm, 512, 2, parts=4),  # a step in 4 wgmma groups, each part's decode overlapping the last one's MMAs
     fm.MosaicTiles(bm, 1024, 1, compute_wgs=2, parts=2),
   ):
@@ -318,6 +320,11 @@ def test_grouped_kernel_rejects_bad_calls():
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, row_tiles=2))
   with pytest.raises(ValueError, match="overlap needs one item per block"):  # 24 rows: two passes
     fm.grouped_fp4_matmul_mosaic(jnp.ones((24, 128), jnp.bfloat16), jnp.array([24, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, overlap=True))
+  with pytest.raises(ValueError, match="block_m = 12 must be a multiple of 8 from 8 to 64"):
+    fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(12, 128, 1))
+  w2 = fm.pack_fragments(_experts(np.random.default_rng(0), 2, 64, 256, False))
+  with pytest.raises(ValueError, match="must divide the 2 steps of K when a block chains items"):  # 24 rows: 2 items
+    fm.grouped_fp4_matmul_mosaic(jnp.ones((24, 256), jnp.bfloat16), jnp.array([24, 0]), w2, tiles=fm.MosaicTiles(16, 128, 3))
   with pytest.raises(ValueError, match="overlap is right only with one compute warpgroup and block_m = 16"):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(32, 128, 1, overlap=True))
   with pytest.raises(ValueError, match="compute_wgs = 2 must be 1 or 2, each taking a multiple of 128 of the block_k = 128"):
@@ -326,8 +333,6 @@ def test_grouped_kernel_rejects_bad_calls():
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, parts=2))
   with pytest.raises(ValueError, match="compute_wgs = 3 must be 1 or 2"):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, compute_wgs=3))
-  with pytest.raises(ValueError, match="max_concurrent_steps = 4 must divide the 1 steps"):
-    fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 4))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels need an sm_90 GPU (the layout is tested above)")

@@ -222,6 +222,18 @@ def test_mosaic_fp4_two_warpgroups(rows):
 
 
 @needs_toolchain
+def test_mosaic_fp4_x_tiles_of_8_rows(rows):
+  """block_m = 8 (wgmma N = 8) halves x's shared memory per step, so that 7 slots of 512 fit: more weight
+  bytes in flight per SM, which the H200 measured as the bound (README, "measured"). Not the default
+  until timed. One launch, no spills, 16 HGMMA per warpgroup per step, the registers within the pool."""
+  row = rows["mosaic_fp4_bm8"]
+  assert row["launch_names"] == ["kCustomCall"] and row["spill_bytes"] == 0
+  assert row["loop_mmas"] == 16 and row["tiles"]["block_m"] == 8 and row["tiles"]["slots"] == 7
+  assert row["instructions_per_weight"] <= 3.1  # today 2.91
+  assert set(row["setmaxnreg"]["dealloc"]) == {72} and set(row["setmaxnreg"]["alloc"]) == {216}
+
+
+@needs_toolchain
 def test_mosaic_fp4_odd_shapes_compile(rows):
   """Shapes the tiled copies of x constrain (8-row tiles): M = 12 pads x to 16 rows first (one more launch);
   a grouped call of 20 rows (6 experts, K = 256: one 256-wide step) compiles the same kernel."""
