@@ -103,7 +103,7 @@ TEST_CASES = [
   Case("mosaic_fp4", 64 * 8, 2048, 768, experts=128, tokens=64, label="mosaic_grouped_down"),
   Case("mosaic_fp4", 12, 256, 1024, label="mosaic_fp4_m12"),  # M > 8, not a multiple of 8: x padded
   Case("mosaic_fp4", 20, 128, 256, experts=6, tokens=10, label="mosaic_grouped_small"),
-  # two consumer warpgroups (the default at M = 16), each step in two wgmma groups (not the default: slower)
+  # two consumer warpgroups (the default at M = 16), each step in two wgmma groups (not the default: mostly slower)
   Case("mosaic_fp4", 16, 8192, 8192, compute_wgs=2, parts=2, label="mosaic_fp4_2wg"),
   # not the default: timed on a GPU next (x tiles of 8 rows, 7 slots of 512: more weight bytes in flight)
   Case("mosaic_fp4", 8, 8192, 8192, compute_wgs=2, block_m=8, slots=7, label="mosaic_fp4_bm8"),

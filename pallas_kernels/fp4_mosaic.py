@@ -49,9 +49,10 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     warpgroup gets 216 registers (168 at launch; the producer keeps 72: `_registers_fit`), and a
     step of 1024 keeps 512 per warpgroup (2.52 instructions per weight, against 2.70 at 512).
   * A warpgroup's share of a step can be decoded and multiplied in parts (`MosaicTiles.parts`, off:
-    measured slower on an H200): one wgmma group per part, and a wait for the group before the last
-    one, so that part p + 1's decode runs while part p's MMAs do (the compiled loop keeps them in
-    distinct registers: `WARPGROUP.DEPBAR.LE gsb0, 0x1` between the parts). Unlike `overlap` it
+    on an H200 mostly slower, and always slower than two warpgroups): one wgmma group per part,
+    and a wait for the group before the last one, so that part p + 1's decode runs while part p's
+    MMAs do (the compiled loop keeps them in distinct registers: `WARPGROUP.DEPBAR.LE gsb0, 0x1`
+    between the parts). Unlike `overlap` it
     stays within a step, so that chained items (grouped blocks) can use it. 2 parts of 256: 2.52
     instructions per weight.
 

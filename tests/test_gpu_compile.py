@@ -210,7 +210,7 @@ def test_mosaic_warpgroups_registers_fit_the_block(rows, label):
 def test_mosaic_fp4_two_warpgroups(rows):
   """Two consumer warpgroups, each half of every step's K (MosaicTiles.compute_wgs = 2), each half in two
   wgmma groups (MosaicTiles.parts = 2: the second part's decode overlaps the first part's MMAs). Two
-  warpgroups are the default at block_m 16 and 64 (measured faster on an H200); parts are off (measured
+  warpgroups are the default at block_m 16 and 64 (measured faster on an H200); parts are off (mostly
   slower). One launch, no spills, 16 HGMMA per warpgroup per 512-wide step, the
   fixed per-step cost spread over half the weights: 2.8 instructions per weight today."""
   row = rows["mosaic_fp4_2wg"]
