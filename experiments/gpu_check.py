@@ -400,7 +400,7 @@ def stage_mosaic_variants(limit_s, logs, smoke, gpu, script="experiments/mosaic_
   cmd, start, runs = [sys.executable, script], time.monotonic(), 0
   while True:  # a row that hangs ends the process and leaves `pending`: rerun, keeping the rows so far
     left = limit_s - (time.monotonic() - start)
-    env = _child_env(OUT=str(logs), BUDGET_S=max(left - 45, 10), RESUME=int(runs > 0))  # no new row in the last 45 s
+    env = _child_env(OUT=str(logs), BUDGET_S=max(left - 60, 10), RESUME=int(runs > 0))  # no new row in the last 60 s
     result = _run(cmd, limit_s=left, log=logs / f"mosaic_variants{'_' + str(runs) if runs else ''}.log", env=env)
     runs += 1
     if result["returncode"] == 0 or not pending.exists() or limit_s - (time.monotonic() - start) < 60:
