@@ -83,6 +83,7 @@ class Case:
   parts: int = 1  # mosaic_fp4: wgmma groups per warpgroup per step (MosaicTiles.parts)
   block_m: int = 0  # mosaic_fp4: x rows per tile (wgmma's N), 0: the default tiles'
   slots: int = 0  # mosaic_fp4: pipeline slots (MosaicTiles.max_concurrent_steps), 0: the default tiles'
+  tensor_scale: bool = True  # nvfp4: a per-tensor scale besides the block scales
   label: str = ""
 
 
@@ -102,7 +103,7 @@ TEST_CASES = [
   Case("mosaic_fp4", 64 * 8, 1536, 2048, experts=128, tokens=64, label="mosaic_grouped"),
   Case("mosaic_fp4", 64 * 8, 2048, 768, experts=128, tokens=64, label="mosaic_grouped_down"),
   Case("mosaic_fp4", 12, 256, 1024, label="mosaic_fp4_m12"),  # M > 8, not a multiple of 8: x padded
-  Case("mosaic_fp4", 20, 128, 256, experts=6, tokens=10, label="mosaic_grouped_small"),
+  Case("mosaic_fp4", 20, 128, 256, experts=6, tokens=10, tensor_scale=False, label="mosaic_grouped_small"),
   # two consumer warpgroups (the default at M = 16), each step in two wgmma groups (not the default: mostly slower)
   Case("mosaic_fp4", 16, 8192, 8192, compute_wgs=2, parts=2, label="mosaic_fp4_2wg"),
   # not the default: timed on a GPU next (x tiles of 8 rows, 7 slots of 512: more weight bytes in flight)
@@ -136,7 +137,7 @@ def _weight(case: Case):
   shape = (case.experts, case.n, case.k) if case.experts else (case.n, case.k)
   if case.kind == "grouped_bf16":
     return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-  amax = jnp.float32(1) if case.fmt == "nvfp4" else None
+  amax = jnp.float32(1) if case.fmt == "nvfp4" and case.tensor_scale else None
   return jax.eval_shape(lambda a: fp4.quantize(a, case.fmt, tensor_amax=amax), jax.ShapeDtypeStruct(shape, jnp.float32))
 
 

@@ -760,13 +760,16 @@ def grouped_fp4_matmul_mosaic(
   per_block = tiles.tiles_per_block
   steps = k // block_k
 
-  def kernel(x_gmem, sizes_gmem, words_gmem, scale_gmem, out_gmem):
+  has_scale = w.tensor_scale is not None  # else no scale operand: XLA would make a kernel of the ones
+
+  def kernel(x_gmem, sizes_gmem, words_gmem, *scale_and_out):
+    *scale_gmem, out_gmem = scale_and_out
     expert, tile0 = jax.lax.axis_index("e"), jax.lax.axis_index("n") * per_block
     start = jnp.int32(0)
     for g in range(num_experts):
       start = start + jnp.where(g < expert, sizes_gmem[g], 0)
     size = sizes_gmem[expert]
-    scale = scale_gmem[expert]
+    scale = scale_gmem[0][expert] if has_scale else jnp.float32(1.0)
 
     total = start + size  # for the last expert: every grouped row
 
@@ -883,10 +886,7 @@ def grouped_fp4_matmul_mosaic(
             state = jnp.where(item == items - 1, int(plgpu.PipelinePipeline.STOP), state)
             run(item, state, allocations, scratch)
 
-  if w.tensor_scale is None:
-    scale = jnp.ones((num_experts,), jnp.float32)
-  else:
-    scale = jnp.broadcast_to(w.tensor_scale.reshape(-1), (num_experts,)).astype(jnp.float32)
+  scale = [jnp.broadcast_to(w.tensor_scale.reshape(-1), (num_experts,)).astype(jnp.float32)] if has_scale else []
   return plgpu.kernel(
     kernel,
     out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
@@ -896,4 +896,4 @@ def grouped_fp4_matmul_mosaic(
     num_threads=compute_wgs + 1,
     thread_name="wg",
     compiler_params=plgpu.CompilerParams(),  # lane semantics: scalar control flow in the kernel
-  )(x, group_sizes.astype(jnp.int32), w.words, scale)
+  )(x, group_sizes.astype(jnp.int32), w.words, *scale)
