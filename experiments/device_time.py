@@ -96,7 +96,7 @@ class RowLog:
   """The rows of a GPU diagnostic, rewritten to `path` (JSON) after each, that survives a kernel that
   hangs: a hung kernel cannot be interrupted from Python, so `row` ends the process after `row_s`
   (faulthandler, with a traceback) and leaves the row in progress in `<path>.pending`. A rerun with
-  resume=True keeps the rows so far, records that one with an "error" ("hung: ..."), and `done` skips
+  resume=True keeps the rows so far, records that one with an "error" ("no result: ..."), and `done` skips
   both; experiments/gpu_check.py reruns while its stage has time left.
 
     log = RowLog(f"{out}/rows.json", resume=os.environ.get("RESUME") == "1", row_s=45)
@@ -112,7 +112,8 @@ class RowLog:
       self.rows = json.load(open(path)) if os.path.exists(path) else []
       if os.path.exists(self.pending):
         hung = json.load(open(self.pending))
-        self.rows.append(dict(hung, error=f"hung: no result within {row_s} s, the process was ended"))
+        error = f"no result: the process ended during this row (a hang past {row_s} s, or a crash)"
+        self.rows.append(dict(hung, error=error))
         self._write()  # now, in case the next row hangs too
         os.remove(self.pending)
     elif os.path.exists(self.pending):

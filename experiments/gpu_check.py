@@ -408,6 +408,9 @@ def stage_mosaic_variants(limit_s, logs, smoke, gpu, script="experiments/mosaic_
   result["seconds"] = time.monotonic() - start  # all runs
   rows = _read_json(out)
   rows = rows if isinstance(rows, list) else []
+  if pending.exists():  # the stage's time ran out during a row, or too little was left to rerun past it
+    rows.append(dict(_read_json(pending), error="no result: the stage's time ran out during this row"))
+    pending.unlink()
   ok = result["returncode"] == 0 and bool(rows) and not any("error" in r for r in rows)
   return _stage_record(cmd, result, limit_s, ok, figures=dict(rows=rows), runs=runs)
 

@@ -79,7 +79,7 @@ class Case:
   tokens: int = 0
   fmt: str = "nvfp4"
   ptx_decode: bool = False
-  compute_wgs: int = 1  # mosaic_fp4: consumer warpgroups per block (MosaicTiles.compute_wgs), else the default tiles
+  compute_wgs: int = 1  # mosaic_fp4: consumer warpgroups per block (MosaicTiles.compute_wgs); 0: the default tiles''
   parts: int = 1  # mosaic_fp4: wgmma groups per warpgroup per step (MosaicTiles.parts)
   block_m: int = 0  # mosaic_fp4: x rows per tile (wgmma's N), 0: the default tiles'
   slots: int = 0  # mosaic_fp4: pipeline slots (MosaicTiles.max_concurrent_steps), 0: the default tiles'
@@ -106,6 +106,8 @@ TEST_CASES = [
   Case("mosaic_fp4", 20, 128, 256, experts=6, tokens=10, tensor_scale=False, label="mosaic_grouped_small"),
   # two consumer warpgroups (the default at M = 16), each step in two wgmma groups (not the default: mostly slower)
   Case("mosaic_fp4", 16, 8192, 8192, compute_wgs=2, parts=2, label="mosaic_fp4_2wg"),
+  # the default tiles as they are (two warpgroups, two 64-row tiles per step, 4 row units chained per block)
+  Case("mosaic_fp4", 64 * 8, 2048, 768, experts=128, tokens=64, compute_wgs=0, label="mosaic_grouped_down_default"),
   # not the default: timed on a GPU next (x tiles of 8 rows, 7 slots of 512: more weight bytes in flight)
   Case("mosaic_fp4", 8, 8192, 8192, compute_wgs=2, block_m=8, slots=7, label="mosaic_fp4_bm8"),
   Case("engine", 64, 2048, 768, experts=128, tokens=64, label="engine_step"),
@@ -291,8 +293,9 @@ def _mosaic_fp4_row(case: Case) -> dict:
   """fp4_mosaic's kernel: dense (experts = 0) or grouped, the weight packed as wgmma fragments."""
   w = jax.eval_shape(mosaic.pack_fragments, _weight(case))
   x = jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16)
-  options = dict(compute_wgs=case.compute_wgs, parts=case.parts)  # on top of the default tiles
-  options.update({k: v for k, v in (("block_m", case.block_m), ("max_concurrent_steps", case.slots)) if v})
+  options = dict(parts=case.parts)  # on top of the default tiles
+  fields = (("compute_wgs", case.compute_wgs), ("block_m", case.block_m), ("max_concurrent_steps", case.slots))
+  options.update({k: v for k, v in fields if v})
   if case.experts:
     t = dataclasses.replace(mosaic.default_grouped_tiles(case.m, case.experts, case.k, case.n), **options)
     sizes = jax.ShapeDtypeStruct((case.experts,), jnp.int32)

@@ -45,6 +45,25 @@ def _log_selection(op: str, impl: str, backend: str):
   logging.info("%s: using the %s implementation (backend %s).", op, impl, backend)
 
 
+@functools.cache
+def _log_k_fallback(op: str, k: int):
+  logging.warning(
+    "%s: K = %d is not a multiple of %d, the Triton kernels' smallest K step: using the reference.",
+    op, k, dense.MIN_BLOCK_K,
+  )  # fmt: skip
+
+
+def _triton_takes(w: fp4.QuantizedArray, impl: Impl, op: str) -> bool:
+  """Whether the Triton kernel runs w. With impl 'auto' or 'mosaic', a K it cannot step through
+  (a multiple of 16 but not of 32: NVFP4's block is 16) runs the reference instead, logged once;
+  'pallas' asks for the kernel, which then says why it cannot."""
+  k = w.shape[-1]
+  if impl != "pallas" and k % dense.MIN_BLOCK_K:
+    _log_k_fallback(op, k)
+    return False
+  return True
+
+
 def is_hopper() -> bool:
   """Whether the default device is an sm_90 GPU (H100 / H200): the Mosaic kernel's wgmma."""
   device = jax.devices()[0]
@@ -87,7 +106,7 @@ def packed_matmul(
   out_dtype = x.dtype if out_dtype is None else out_dtype
   rows = x.reshape(-1, x.shape[-1])
   common = dict(quantize_activations=quantize_activations, activation_format=activation_format, out_dtype=out_dtype)
-  if select_impl(impl, op, mosaic_kernel=False) != "reference":  # the Triton kernel (a QuantizedArray)
+  if select_impl(impl, op, mosaic_kernel=False) != "reference" and _triton_takes(w, impl, op):  # the Triton kernel
     out = dense.fp4_matmul(rows, w, **common, **kernel_options)
   else:
     out = dense.fp4_matmul_reference(rows, w, **common)
@@ -124,6 +143,6 @@ def grouped_packed_matmul(
     if quantize_activations:
       raise ValueError(f"{op}: the Mosaic kernel takes bf16 activations; quantize them before the call.")
     return mosaic.grouped_fp4_matmul_mosaic(x, group_sizes, w, out_dtype=out_dtype, **kernel_options)
-  if chosen != "reference":
+  if chosen != "reference" and _triton_takes(w, impl, op):
     return grouped.grouped_fp4_matmul(x, group_sizes, w, **common, **kernel_options)
   return grouped.grouped_fp4_matmul_reference(x, group_sizes, w, **common)

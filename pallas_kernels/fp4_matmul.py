@@ -279,6 +279,11 @@ def make_tiles(
 
 def check_tiles(tiles: Tiles, n: int, k: int, fmt: fp4.Fp4Format):
   where = f"weight [N={n}, K={k}] ({fmt.name}) with tiles {tiles}"
+  if k % MIN_BLOCK_K:
+    raise ValueError(
+      f"K={k} is not a multiple of {MIN_BLOCK_K}, the kernel's smallest K step; run it through "
+      f"pallas_kernels.packed_matmul / grouped_packed_matmul with impl='auto' (the reference then). {where}."
+    )
   for name in ("block_m", "block_n", "block_k"):
     b, least = getattr(tiles, name), MIN_BLOCK_K if name == "block_k" else MIN_BLOCK
     if not _is_power_of_two(b) or b < least:
@@ -426,7 +431,7 @@ def fp4_matmul(
     w: packed weight, codes [N, K/2] and scales [N, K/bs] (NVFP4 or MXFP4), optional tensor scale.
     quantize_activations: fake-quantize x with RTN to FP4 first (W4A4, as the rollout engine does).
     activation_format: FP4 format for x when quantized; default: the weight's format.
-    block_m, block_n, block_k: tile sizes (powers of two >= 16; defaults from `default_tiles`).
+    block_m, block_n, block_k: tile sizes (powers of two >= 16, block_k >= 32; defaults from `default_tiles`).
     k_splits: split K across this many programs (partial sums added outside the kernel).
     num_warps, num_stages: Triton launch options (ignored in interpret mode).
     ptx_decode: decode the codes with inline PTX (`e2m1_ptx`, GPU only); default False.

@@ -712,7 +712,7 @@ def grouped_fp4_matmul_mosaic(
       "grouped_fp4_matmul_mosaic: tiles.overlap needs one item per block (tiles_per_block = 1, row_tiles = 1, "
       f"M <= block_m; got {tiles}, M = {m}): Pallas' chained pipelines do not take delay_release."
     )
-  if tiles.overlap and (tiles.compute_wgs > 1 or tiles.block_m > 16):
+  if tiles.overlap and (tiles.compute_wgs > 1 or tiles.block_m != 16):
     raise ValueError(
       f"grouped_fp4_matmul_mosaic: tiles.overlap with compute_wgs = {tiles.compute_wgs}, block_m = {tiles.block_m}: "
       "overlap is right only with one compute warpgroup and block_m = 16 (on an H200 it gave wrong sums with two "

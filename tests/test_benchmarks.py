@@ -96,7 +96,7 @@ def test_a_row_that_hangs_costs_that_row_not_the_run(tmp_path):
   rows = {r["name"]: r for r in stage["figures"]["rows"]}
   assert list(rows) == ["fine", "hangs", "raises", "after"]
   assert rows["fine"]["device_us"] == rows["after"]["device_us"] == 1.5
-  assert rows["hangs"]["error"].startswith("hung: no result within 1")
+  assert rows["hangs"]["error"].startswith("no result: the process ended during this row (a hang past 1")
   assert rows["raises"]["error"] == "ValueError: does not compile"
   assert stage["status"] == "failed"  # a row with an error is a finding to look at
   assert not os.path.exists(device_time.pending_path(str(tmp_path / "mosaic_variants.json")))

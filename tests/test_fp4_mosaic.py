@@ -243,6 +243,25 @@ def test_kernel_matches_reference(m, tensor_amax):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels need an sm_90 GPU (the layout is tested above)")
+@pytest.mark.parametrize("m", [1, 8])
+def test_kernel_many_slots(m):
+  # mosaic_variants' candidates for more weight bytes in flight: one item per block, so the slots need
+  # not divide K's steps (K = 4096: 8 steps of 512, 16 of 256); x tiles of 16 or 8 rows
+  rng = np.random.default_rng(m)
+  n, k = 128, 4096
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  w = fp4.quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32), "nvfp4")
+  want = dense.fp4_matmul_reference(x, w, out_dtype=jnp.float32)
+  for tiles in (
+    fm.MosaicTiles(16, 512, 5, compute_wgs=2),
+    fm.MosaicTiles(8, 512, 7, compute_wgs=2),
+    fm.MosaicTiles(8, 256, 14, compute_wgs=2),
+  ):
+    got = fm.fp4_matmul_mosaic(x, fm.pack_fragments(w), tiles=tiles, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels need an sm_90 GPU (the layout is tested above)")
 def test_kernel_every_scale_byte_and_bf16_output():
   # Tiny (subnormal) E4M3 scales, zero blocks, NaN blocks, negative scales: the products are exact
   # bf16 values whatever the scale, so an f32 matmul of them matches the reference closely.

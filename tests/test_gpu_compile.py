@@ -222,6 +222,17 @@ def test_mosaic_fp4_two_warpgroups(rows):
 
 
 @needs_toolchain
+def test_mosaic_fp4_default_grouped_tiles(rows):
+  """The default tiles themselves (the budget rows above force one warpgroup): grouped down [2048, 768] at
+  64 tokens takes two warpgroups, two 64-row tiles per 256-wide step and 4 chained row units per block.
+  One launch, no spills, 16 HGMMA per warpgroup per step (2 tiles x 128 / 16)."""
+  row = rows["mosaic_grouped_down_default"]
+  t = row["tiles"]
+  assert (t["compute_wgs"], t["block_n"], t["block_k"]) == (2, 128, 128)  # a warpgroup's share of a step
+  assert row["launch_names"] == ["kCustomCall"] and row["spill_bytes"] == 0 and row["loop_mmas"] == 16
+
+
+@needs_toolchain
 def test_mosaic_fp4_x_tiles_of_8_rows(rows):
   """block_m = 8 (wgmma N = 8) halves x's shared memory per step, so that 7 slots of 512 fit: more weight
   bytes in flight per SM, which the H200 measured as the bound (README, "measured"). Not the default
@@ -241,7 +252,6 @@ def test_mosaic_fp4_odd_shapes_compile(rows):
   kernel of its own)."""
   for label in ("mosaic_fp4_m12", "mosaic_grouped_small"):
     assert rows[label]["launch_names"] == ["loop_pad_fusion", "kCustomCall"]
-  assert not rows["mosaic_grouped_small"]["tensor_scale"]
   for label in ("mosaic_fp4_m12", "mosaic_grouped_small"):
     assert rows[label]["spill_bytes"] == 0 and rows[label]["loop_mmas"] > 0
 

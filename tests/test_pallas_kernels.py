@@ -353,6 +353,26 @@ def test_packed_matmul_dispatch(monkeypatch):
     pallas_kernels.packed_matmul(x, w, impl="triton")
 
 
+def test_a_k_the_triton_kernels_cannot_step_runs_the_reference(monkeypatch):
+  # NVFP4 K = 48: whole blocks of 16, but not whole steps of the kernels' smallest block_k (32).
+  w, experts = _weights((32, 48), "nvfp4", True), _weights((4, 32, 48), "nvfp4", True)
+  x, sizes = _activations(6, 48), jnp.asarray([2, 0, 3, 1], jnp.int32)
+  warnings = []
+  monkeypatch.setattr(logging, "warning", lambda msg, *args: warnings.append(msg % args))
+  pallas_kernels._log_k_fallback.cache_clear()
+  for _ in range(2):  # 'mosaic' asks for a kernel: the Triton one for a QuantizedArray, on any backend
+    dense_out = pallas_kernels.packed_matmul(x, w, impl="mosaic", out_dtype=jnp.float32)
+    grouped_out = pallas_kernels.grouped_packed_matmul(x, sizes, experts, impl="mosaic", out_dtype=jnp.float32)
+  _assert_close(dense_out, _dense_reference(x, w, out_dtype=jnp.float32))
+  _assert_close(grouped_out, _grouped_reference(x, sizes, experts, out_dtype=jnp.float32))
+  assert warnings == [
+    f"{op}: K = 48 is not a multiple of 32, the Triton kernels' smallest K step: using the reference."
+    for op in ("packed_matmul", "grouped_packed_matmul")
+  ]  # once each
+  with pytest.raises(ValueError, match="K=48 is not a multiple of 32, the kernel's smallest K step"):
+    pallas_kernels.packed_matmul(x, w, impl="pallas", interpret=INTERPRET)
+
+
 def test_grouped_packed_matmul_dispatch():
   w = _weights((4, 32, 64), "mxfp4", False)
   x = _activations(9, 64)
