@@ -8,7 +8,8 @@ gpu_check.json in the repository root, and the stages' logs beside it in gpu_che
 (through the device tool, within a 15-minute lease: run(command="bash experiments/gpu_check.sh
 --stages env,kernel_tests,mosaic_variants --no_install --total_s 420", timeout_s=450): the kernels'
 correctness and the Mosaic kernel's variants against bf16, about 7 minutes; the run stops itself
-after --total_s plus a few seconds, and stages past it are recorded as "out of time".) It exits 0 when every stage is "ok" or "skipped".
+after --total_s plus a few seconds, and stages past it are recorded as "out of time".) It exits 0
+when every stage is "ok" or "skipped".
 If the machine reaches no package index, the install stage fails in seconds and the env stage's
 figures.missing_for_stage name what each stage lacks.
 
@@ -41,10 +42,10 @@ and the run goes on):
                 on a GPU: the Pallas kernels compiled through Triton (and the inline-PTX decode) and the
                 Mosaic GPU kernel (M = 1..64, tensor scale, every E4M3 scale byte) against their jnp
                 references. --smoke: interpret mode, a few tests.
-  mosaic_variants  experiments/mosaic_variants.py (GPU only): the Mosaic kernel's variants (overlap, two
-                compute warpgroups, no decode) and the bf16 baselines, dense and grouped, each with its
-                wall-clock and device (profiler) time; figures.rows. A row that hangs is
-                recorded as such and the script is rerun from the next row.
+  mosaic_variants  experiments/mosaic_variants.py (GPU only): the Mosaic kernel's variants (one or two
+                compute warpgroups, overlap, more slots, 8-row x tiles) and the bf16 baselines, dense
+                and grouped, each with its wall-clock and device (profiler) time; figures.rows. A row
+                that hangs is recorded as such and the script is rerun from the next row.
   fp4_matmul    experiments/bench_fp4_matmul.py --json (BF16 against the FP4 kernels; --smoke: tiny).
   rollout       experiments/bench_rollout.py --json (our engine, BF16 and FP4, against transformers
                 float32 on the CPU; --smoke: batch 2, 4 tokens).

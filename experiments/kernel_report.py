@@ -79,7 +79,7 @@ class Case:
   tokens: int = 0
   fmt: str = "nvfp4"
   ptx_decode: bool = False
-  compute_wgs: int = 1  # mosaic_fp4: consumer warpgroups per block (MosaicTiles.compute_wgs); 0: the default tiles''
+  compute_wgs: int = 1  # mosaic_fp4: consumer warpgroups per block (MosaicTiles.compute_wgs); 0: the default tiles'
   parts: int = 1  # mosaic_fp4: wgmma groups per warpgroup per step (MosaicTiles.parts)
   block_m: int = 0  # mosaic_fp4: x rows per tile (wgmma's N), 0: the default tiles'
   slots: int = 0  # mosaic_fp4: pipeline slots (MosaicTiles.max_concurrent_steps), 0: the default tiles'

@@ -83,11 +83,16 @@ def rec(name, calls, fn, args, *, check=None, weight_bytes=0, **kw):
 # --- dense K = N = 8192 -------------------------------------------------------------------------
 K = N = 8192
 NW = 4  # weight copies per call: 4 x 37.7 MB FP4 (151 MB) / 4 x 134 MB bf16 > 50 MB L2
-q = fp4.quantize(jax.random.normal(jax.random.key(0), (N, K)), "nvfp4")
-ws = copies(fm.pack_fragments(q), NW)
-wb = [jax.random.normal(jax.random.key(10 + i), (K, N), jnp.bfloat16) for i in range(NW)]
-ref_w = fp4.dequantize(q, F)
-FP4_BYTES, BF16_BYTES = K * N * 0.5625, K * N * 2
+
+
+def dense_weights(n, seed):
+  """NW copies of an [n, K] weight, packed FP4 and bf16 [K, n], and the FP4 weight's float32 values."""
+  q = fp4.quantize(jax.random.normal(jax.random.key(seed), (n, K)), "nvfp4")
+  wb = [jax.random.normal(jax.random.key(seed + 1 + i), (K, n), jnp.bfloat16) for i in range(NW)]
+  return copies(fm.pack_fragments(q), NW), wb, fp4.dequantize(q, F)
+
+
+SQUARE = dense_weights(N, 0)
 
 
 def dense_variants(m):
@@ -112,13 +117,7 @@ def dense_variants(m):
 
 def dense(M, n=N):
   x = jax.random.normal(jax.random.key(2), (M, K), jnp.bfloat16)
-  if n == N:
-    q_, ws_, wb_, ref_w_ = q, ws, wb, ref_w
-  else:  # a wider weight: more blocks per SM (N / 64 of them)
-    q_ = fp4.quantize(jax.random.normal(jax.random.key(5), (n, K)), "nvfp4")
-    ws_ = copies(fm.pack_fragments(q_), NW)
-    wb_ = [jax.random.normal(jax.random.key(30 + i), (K, n), jnp.bfloat16) for i in range(NW)]
-    ref_w_ = fp4.dequantize(q_, F)
+  ws_, wb_, ref_w_ = SQUARE if n == N else dense_weights(n, 30)  # wider: more blocks per SM (N / 64 of them)
   ref = np.asarray(x.astype(F) @ ref_w_.T)
   label = "" if n == N else f" N={n}"
   rec("bf16 dot [K,N]" + label, NW, multi(jnp.dot), (x, wb_), M=M, weight_bytes=K * n * 2)

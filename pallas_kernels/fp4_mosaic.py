@@ -45,16 +45,15 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     step's K into its own accumulator, and the two sums meet once per item, through shared memory
     between two named-barrier syncs (`_sum_warpgroups`). A block's serial chain per step (wait,
     decode, 32 dependent wgmmas, wait) is halved and two of them run at once on each SM
-    sub-partition, for the same grid. Each
-    warpgroup gets 216 registers (168 at launch; the producer keeps 72: `_registers_fit`), and a
-    step of 1024 keeps 512 per warpgroup (2.52 instructions per weight, against 2.70 at 512).
+    sub-partition, for the same grid. Each warpgroup gets 216 registers (168 at launch; the
+    producer keeps 72: `_registers_fit`), and a step of 1024 keeps 512 per warpgroup (2.52
+    instructions per weight, against 2.70 at 512).
   * A warpgroup's share of a step can be decoded and multiplied in parts (`MosaicTiles.parts`, off:
     on an H200 mostly slower, and always slower than two warpgroups): one wgmma group per part,
     and a wait for the group before the last one, so that part p + 1's decode runs while part p's
     MMAs do (the compiled loop keeps them in distinct registers: `WARPGROUP.DEPBAR.LE gsb0, 0x1`
-    between the parts). Unlike `overlap` it
-    stays within a step, so that chained items (grouped blocks) can use it. 2 parts of 256: 2.52
-    instructions per weight.
+    between the parts). Unlike `overlap` it stays within a step, so that chained items (grouped
+    blocks) can use it. 2 parts of 256: 2.52 instructions per weight.
 
 experiments/kernel_report.py counts the compiled loop (pallas_kernels/gpu_compile.py compiles it
 for sm_90a without a GPU): 2.48-2.49 SASS instructions per weight, against 6.6
@@ -730,7 +729,9 @@ def grouped_fp4_matmul_mosaic(
       f"of K per step into multiples of {SCALE_GROUP_K}."
     )
   if tiles.block_m % 8 or not 8 <= tiles.block_m <= 64:
-    raise ValueError(f"grouped_fp4_matmul_mosaic: tiles.block_m = {tiles.block_m} must be a multiple of 8 from 8 to 64.")
+    raise ValueError(
+      f"grouped_fp4_matmul_mosaic: tiles.block_m = {tiles.block_m} must be a multiple of 8 from 8 to 64."
+    )
   chained = tiles.tiles_per_block > 1 or m > tiles.block_m  # a block may run several items, one pipeline each
   if chained and (k // tiles.block_k) % tiles.max_concurrent_steps:
     raise ValueError(
