@@ -10,14 +10,16 @@ jitted call (dispatch to block_until_ready, divided by the calls it makes), and 
 kernels' own time on the GPU's streams from a profiler trace. The first holds dispatch and launch
 costs; the second is what a kernel change moves. GB/s are from device_us where there is one.
 
-In this order (BUDGET_S, default 270, stops it early): dense K = N = 8192 at M = 1, 8: XLA's bf16 dot;
-the kernel's defaults (two compute warpgroups: `compute_wgs`, each half of every step's K), one
-warpgroup, `overlap` (one warpgroup), and more weight bytes in flight per SM: 5 slots, or x tiles of 8
-rows (block_m 8: wgmma N = 8) with 4, 7 or 14 slots. Grouped, 64 then 256 tokens top-8 of 128 experts,
-gate_up [1536, 2048] and down [2048, 768]: the defaults, the other number of warpgroups (one at 64
-tokens, two at 256), and the bf16 baselines: the Triton grouped kernel of the same family on bf16
-weights (`grouped_bf16_matmul`) and (64 tokens) XLA's `lax.ragged_dot`. Then M = 64, and a wide
-weight (N = 28672, M = 8): more blocks per SM. Every call reads its own weight copy (more than the 50 MB L2 in all).
+In this order (BUDGET_S, default 270, stops it early), each against its bf16 baseline: dense K = N = 8192
+at M = 8: XLA's bf16 dot, the kernel's defaults, and more weight bytes in flight per SM (the bound the
+earlier runs point to): 5 slots, or x tiles of 8 rows (block_m 8: wgmma N = 8) with 4, 7 or 14 slots.
+Grouped, 64 tokens top-8 of 128 experts, gate_up [1536, 2048] and down [2048, 768]: the defaults, four
+64-row tiles per step (row_tiles 4) or 8 slots (twice the weight bytes in flight), and the Triton grouped
+kernel of the same family on bf16 weights (`grouped_bf16_matmul`). Then M = 1; K = 32768 at M = 8 (with
+K = 8192: a call's fixed cost and its streaming rate); a wide weight (N = 28672: 3.5 blocks per SM); 256
+tokens (the other number of warpgroups). Every call reads its own weight copy (more than the 50 MB L2 in
+all). XLA's `lax.ragged_dot` (5.3x and 4.6x slower than the kernel at 64 tokens), one compute warpgroup,
+`overlap` and M = 64 are in the earlier runs' files.
 A variant whose sums are off the reference (`err` above MAX_ERR) gets an "error" too: the stage fails.
 
 A row that runs past ROW_S (a kernel that hangs) ends the process; rerun with RESUME=1 to keep the rows so
@@ -85,52 +87,53 @@ K = N = 8192
 NW = 4  # weight copies per call: 4 x 37.7 MB FP4 (151 MB) / 4 x 134 MB bf16 > 50 MB L2
 
 
-def dense_weights(n, seed):
-  """NW copies of an [n, K] weight, packed FP4 and bf16 [K, n], and the FP4 weight's float32 values."""
-  q = fp4.quantize(jax.random.normal(jax.random.key(seed), (n, K)), "nvfp4")
-  wb = [jax.random.normal(jax.random.key(seed + 1 + i), (K, n), jnp.bfloat16) for i in range(NW)]
+def dense_weights(n, k, seed):
+  """NW copies of an [n, k] weight, packed FP4 and bf16 [k, n], and the FP4 weight's float32 values."""
+  q = fp4.quantize(jax.random.normal(jax.random.key(seed), (n, k)), "nvfp4")
+  wb = [jax.random.normal(jax.random.key(seed + 1 + i), (k, n), jnp.bfloat16) for i in range(NW)]
   return copies(fm.pack_fragments(q), NW), wb, fp4.dequantize(q, F)
 
 
-SQUARE = dense_weights(N, 0)
+SQUARE = dense_weights(N, K, 0)
+# more weight bytes in flight per SM (the bound the H200 measured): a fifth slot (slots need not divide the
+# steps of a lone item), or x tiles of 8 rows (wgmma N = 8: half of x's shared memory) and 4, 7 or 14 slots
+MORE_IN_FLIGHT = [
+  ("2wg s5", T(16, 512, 5, compute_wgs=2)),
+  ("bm8 2wg s4", T(8, 512, 4, compute_wgs=2)),
+  ("bm8 2wg s7", T(8, 512, 7, compute_wgs=2)),
+  ("bm8 2wg bk256 s14", T(8, 256, 14, compute_wgs=2)),
+]
 
 
-def dense_variants(m):
-  bm = 16 if m <= 16 else 64
-  slots = 4 if bm == 16 else 2
-  out = [("default", None), ("1wg", T(bm, 512, slots))]  # default_tiles: two compute warpgroups
-  if bm == 16:
-    out += [
-      ("overlap 1wg", T(bm, 512, slots, overlap=True)),  # overlap: block_m 16, one warpgroup only
-      # more weight bytes in flight per SM: a fifth slot (slots need not divide the steps of a lone item), or
-      # x tiles of 8 rows (wgmma N = 8: half of x's shared memory) and 7 or 14 slots
-      ("2wg s5", T(16, 512, 5, compute_wgs=2)),
-    ]
-  if m <= 8:
-    out += [
-      ("bm8 2wg s4", T(8, 512, 4, compute_wgs=2)),
-      ("bm8 2wg s7", T(8, 512, 7, compute_wgs=2)),
-      ("bm8 2wg bk256 s14", T(8, 256, 14, compute_wgs=2)),
-    ]
-  return out
-
-
-def dense(M, n=N):
-  x = jax.random.normal(jax.random.key(2), (M, K), jnp.bfloat16)
-  ws_, wb_, ref_w_ = SQUARE if n == N else dense_weights(n, 30)  # wider: more blocks per SM (N / 64 of them)
+def dense(M, n=N, k=K, variants=MORE_IN_FLIGHT):
+  """bf16 dot, the default tiles and `variants` for x [M, k] times an [n, k] weight."""
+  x = jax.random.normal(jax.random.key(2), (M, k), jnp.bfloat16)
+  ws_, wb_, ref_w_ = SQUARE if (n, k) == (N, K) else dense_weights(n, k, 30)
   ref = np.asarray(x.astype(F) @ ref_w_.T)
-  label = "" if n == N else f" N={n}"
-  rec("bf16 dot [K,N]" + label, NW, multi(jnp.dot), (x, wb_), M=M, weight_bytes=K * n * 2)
-  for name, t in dense_variants(M) if n == N else [("default", None), ("1wg", T(16, 512, 4))]:
+  label = "".join(f" {a}={v}" for a, v in (("N", n), ("K", k)) if v != 8192)  # wider: more blocks per SM
+  rec("bf16 dot [K,N]" + label, NW, multi(jnp.dot), (x, wb_), M=M, weight_bytes=k * n * 2)
+  for name, t in [("default", None), *variants]:
     f = lambda x, w, t=t: fm.fp4_matmul_mosaic(x, w, tiles=t, out_dtype=F)
     rec(
       "mosaic " + name + label, NW, multi(f), (x, ws_), check=lambda f=f, x=x, ref=ref, w=ws_[0]: rel_err(f(x, w), ref),
-      M=M, tiles=str(t or fm.default_tiles(M, K, n)), weight_bytes=K * n * 0.5625,
+      M=M, tiles=str(t or fm.default_tiles(M, k, n)), weight_bytes=k * n * 0.5625,
     )  # fmt: skip
 
 
 # --- grouped: top-8 of 128 experts ----------------------------------------------------------------
 E = 128
+# four 64-row tiles per step (row_tiles 4: one x tile for 256 weight rows), or 8 slots: twice the weight bytes in
+# flight per SM of the defaults (gate_up: 4 slots x 18 KB; down: 3 x 18 KB), on the same shared memory
+GROUPED_VARIANTS = {
+  (1536, 2048): [
+    ("rt4 bk256 s4 2wg", T(16, 256, 4, tiles_per_block=2, row_tiles=4, compute_wgs=2)),
+    ("rt2 bk256 s8 2wg", T(16, 256, 8, tiles_per_block=4, row_tiles=2, compute_wgs=2)),
+  ],
+  (2048, 768): [
+    ("rt4 bk256 s3 2wg", T(16, 256, 3, tiles_per_block=2, row_tiles=4, compute_wgs=2)),
+    ("rt4 bk128 s6 1wg", T(16, 128, 6, tiles_per_block=2, row_tiles=4, compute_wgs=1)),
+  ],
+}
 
 
 def grouped(tokens):
@@ -149,8 +152,11 @@ def grouped(tokens):
     fp4_bytes, bf16_bytes = touched * n * k * 0.5625, touched * n * k * 2
     default = fm.default_grouped_tiles(tokens * 8, E, k, n)
     label = f"grouped {tokens} tokens [{n},{k}] "
-    other = 3 - default.compute_wgs  # the default's other number of compute warpgroups (2 at 256 tokens: not yet timed)
-    for name, t in (("default", default), (f"{other}wg", dataclasses.replace(default, compute_wgs=other))):
+    if tokens == 64:
+      variants = GROUPED_VARIANTS[(n, k)]
+    else:  # the default's other number of compute warpgroups (two at block_m 32: not yet timed)
+      variants = [(f"{3 - default.compute_wgs}wg", dataclasses.replace(default, compute_wgs=3 - default.compute_wgs))]
+    for name, t in [("default", default), *variants]:
       f = lambda x, w, sizes, t=t: fm.grouped_fp4_matmul_mosaic(x, sizes, w, tiles=t, out_dtype=F)
       rec(
         label + name, 2, multi(f), (x, wes, sizes), check=lambda f=f, x=x, we=we, ref=ref, sizes=sizes: rel_err(f(x, we, sizes), ref),
@@ -164,20 +170,17 @@ def grouped(tokens):
       label + "bf16 triton (grouped_bf16_matmul)", 2, multi(triton), (x, wbs, sizes), weight_bytes=bf16_bytes,
       check=lambda triton=triton, x=x, w=wbs[0], sizes=sizes, want=bf16_ref: rel_err(triton(x, w, sizes), want),
     )  # fmt: skip
-    if tokens == 64:
-      wbs_t = [jnp.swapaxes(w, 1, 2) for w in wbs]  # [E, K, N], made outside the timed call
-      ragged = lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=F)
-      rec(label + "bf16 xla ragged_dot", 2, multi(ragged), (x, wbs_t, sizes), weight_bytes=bf16_bytes)
-      wbs_t = None
     wes = wbs = None  # free the copies before the next shape
 
 
-# the shapes that matter most first (BUDGET_S may stop the run): decode, then MoE, then M = 64, then a wide weight
-dense(1)
+# the questions that matter most first (BUDGET_S may stop the run): decode at M = 8, the MoE layers, M = 1,
+# then the fixed cost (K = 32768: time = fixed + bytes / rate, from two K), the wide weight, 256 tokens
+BEST_GUESS = [MORE_IN_FLIGHT[2]]  # bm8 s7
 dense(8)
 grouped(64)
+dense(1, variants=BEST_GUESS)
+dense(8, k=32768, variants=BEST_GUESS)
+dense(8, n=28672, variants=BEST_GUESS)
 grouped(256)
-dense(64)
-dense(8, n=28672)
 
 print("total", round(time.time() - T0), "s", flush=True)

@@ -381,3 +381,24 @@ def test_grouped_kernel_matches_reference(per_expert_scale):
     got = fm.grouped_fp4_matmul_mosaic(x, sizes, packed, tiles=tiles, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
     assert np.all(np.asarray(got)[51:] == 0)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels need an sm_90 GPU (the layout is tested above)")
+def test_grouped_kernel_four_row_tiles_per_step():
+  """Four 64-row tiles per step (one x tile for 256 weight rows: twice the weight bytes in flight per SM of
+  the defaults, in the same shared memory), chained two units per block, with one and two warpgroups."""
+  rng = np.random.default_rng(6)
+  e, n, k = 5, 512, 768
+  w = _experts(rng, e, n, k, True)
+  sizes = jnp.asarray([9, 0, 20, 3, 4], jnp.int32)
+  x = jnp.asarray(rng.standard_normal((40, k)), jnp.bfloat16)
+  want = grouped.grouped_fp4_matmul_reference(x, sizes, w, out_dtype=jnp.float32)
+  packed = fm.pack_fragments(w)
+  for tiles in (
+    fm.MosaicTiles(16, 256, 3, tiles_per_block=2, row_tiles=4, compute_wgs=2),
+    fm.MosaicTiles(16, 128, 6, tiles_per_block=2, row_tiles=4),
+    fm.MosaicTiles(16, 256, 3, row_tiles=4, compute_wgs=2),
+  ):
+    got = fm.grouped_fp4_matmul_mosaic(x, sizes, packed, tiles=tiles, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
+    assert np.all(np.asarray(got)[36:] == 0)
