@@ -29,6 +29,7 @@ and the decode replaced by register moves: 13.1 us at M = 8 against 16.5) and h2
 (also 8 slots of block_k 256: slower).
 """
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -94,9 +95,17 @@ def dense_weights(n, k, seed):
   return copies(fm.pack_fragments(q), NW), wb, fp4.dequantize(q, F)
 
 
-SQUARE = dense_weights(N, K, 0)
-# more weight bytes in flight per SM (the bound the H200 measured): a fifth slot (slots need not divide the
-# steps of a lone item), or x tiles of 8 rows (wgmma N = 8: half of x's shared memory) and 4, 7 or 14 slots
+WEIGHTS = {}  # (n, k) -> dense_weights
+
+
+def weights(n, k):
+  if (n, k) not in WEIGHTS:
+    WEIGHTS[(n, k)] = dense_weights(n, k, 0 if (n, k) == (N, K) else 30)
+  return WEIGHTS[(n, k)]
+
+
+# more weight bytes in flight per SM: a fifth slot (slots need not divide the steps of a lone item), or x tiles
+# of 8 rows (wgmma N = 8: half of x's shared memory) and 4, 7 or 14 slots (run d: none faster than the default)
 MORE_IN_FLIGHT = [
   ("2wg s5", T(16, 512, 5, compute_wgs=2)),
   ("bm8 2wg s4", T(8, 512, 4, compute_wgs=2)),
@@ -105,10 +114,32 @@ MORE_IN_FLIGHT = [
 ]
 
 
-def dense(M, n=N, k=K, variants=MORE_IN_FLIGHT):
-  """bf16 dot, the default tiles and `variants` for x [M, k] times an [n, k] weight."""
+@contextlib.contextmanager
+def without(part):
+  """The kernel with its decode arithmetic ("decode": the same loads and MMAs, register moves for the
+  decode) or its decode and MMAs ("compute": the copy pipeline alone, the consumer only waiting for each
+  step and releasing it) taken out: wrong values, timing only."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # the kernel looks its wgmma up there when traced
+
+  saved = fm._DECODE_PTX, fm._SCALE_PTX, fm._decode_tile, plgpu.wgmma
+  moves = "{ mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4; }"
+  fm._DECODE_PTX = fm._SCALE_PTX = moves
+  if part == "compute":
+    fm._decode_tile = lambda *_, **__: lambda words_smem: None
+    plgpu.wgmma = lambda *_, **__: None
+  jax.clear_caches()
+  try:
+    yield
+  finally:
+    fm._DECODE_PTX, fm._SCALE_PTX, fm._decode_tile, plgpu.wgmma = saved
+    jax.clear_caches()
+
+
+def dense(M, n=N, k=K, variants=MORE_IN_FLIGHT, diagnostics=False):
+  """bf16 dot, the default tiles and `variants` for x [M, k] times an [n, k] weight (diagnostics: also
+  without the decode, and without decode and MMAs)."""
   x = jax.random.normal(jax.random.key(2), (M, k), jnp.bfloat16)
-  ws_, wb_, ref_w_ = SQUARE if (n, k) == (N, K) else dense_weights(n, k, 30)
+  ws_, wb_, ref_w_ = weights(n, k)
   ref = np.asarray(x.astype(F) @ ref_w_.T)
   label = "".join(f" {a}={v}" for a, v in (("N", n), ("K", k)) if v != 8192)  # wider: more blocks per SM
   rec("bf16 dot [K,N]" + label, NW, multi(jnp.dot), (x, wb_), M=M, weight_bytes=k * n * 2)
@@ -118,22 +149,27 @@ def dense(M, n=N, k=K, variants=MORE_IN_FLIGHT):
       "mosaic " + name + label, NW, multi(f), (x, ws_), check=lambda f=f, x=x, ref=ref, w=ws_[0]: rel_err(f(x, w), ref),
       M=M, tiles=str(t or fm.default_tiles(M, k, n)), weight_bytes=k * n * 0.5625,
     )  # fmt: skip
+  for part in ("decode", "compute") if diagnostics else ():
+    with without(part):
+      f = lambda x, w: fm.fp4_matmul_mosaic(x, w, out_dtype=F)
+      rec(f"no {part} default" + label, NW, multi(f), (x, ws_), M=M, weight_bytes=k * n * 0.5625)
 
 
 # --- grouped: top-8 of 128 experts ----------------------------------------------------------------
 E = 128
-# four 64-row tiles per step (row_tiles 4: one x tile for 256 weight rows), or 8 slots: twice the weight bytes in
-# flight per SM of the defaults (gate_up: 4 slots x 18 KB; down: 3 x 18 KB), on the same shared memory
-GROUPED_VARIANTS = {
-  (1536, 2048): [
-    ("rt4 bk256 s4 2wg", T(16, 256, 4, tiles_per_block=2, row_tiles=4, compute_wgs=2)),
-    ("rt2 bk256 s8 2wg", T(16, 256, 8, tiles_per_block=4, row_tiles=2, compute_wgs=2)),
-  ],
-  (2048, 768): [
-    ("rt4 bk256 s3 2wg", T(16, 256, 3, tiles_per_block=2, row_tiles=4, compute_wgs=2)),
-    ("rt4 bk128 s6 1wg", T(16, 128, 6, tiles_per_block=2, row_tiles=4, compute_wgs=1)),
-  ],
-}
+
+
+# Run d (docs/gpu_check/h200-2026-12-04d-*): four 64-row tiles per step (row_tiles 4) or 8 slots, twice the
+# weight bytes in flight, were 8% faster at gate_up, 64 tokens (93.6 and 92.8 us against 101.5) and slower at
+# down. Both also halve the blocks (8 tiles each, chained): a block's fixed cost (3.5 us, from K = 8192 and
+# 32768 dense) is paid half as often. So: more tiles chained per block (tiles_per_block), down to one wave.
+def grouped_variants(tokens, n, k, default):
+  units = n // 64 // default.row_tiles
+  more = [t for t in (8, 12, 16, 24) if t > default.tiles_per_block and units % t == 0]
+  out = [(f"tpb{t}", dataclasses.replace(default, tiles_per_block=t)) for t in more]
+  if (n, k) == (1536, 2048) and tokens == 64:
+    out.append(("rt2 bk256 s8 2wg tpb6", T(16, 256, 8, tiles_per_block=6, row_tiles=2, compute_wgs=2)))
+  return out
 
 
 def grouped(tokens):
@@ -152,11 +188,7 @@ def grouped(tokens):
     fp4_bytes, bf16_bytes = touched * n * k * 0.5625, touched * n * k * 2
     default = fm.default_grouped_tiles(tokens * 8, E, k, n)
     label = f"grouped {tokens} tokens [{n},{k}] "
-    if tokens == 64:
-      variants = GROUPED_VARIANTS[(n, k)]
-    else:  # the default's other number of compute warpgroups (two at block_m 32: not yet timed)
-      variants = [(f"{3 - default.compute_wgs}wg", dataclasses.replace(default, compute_wgs=3 - default.compute_wgs))]
-    for name, t in [("default", default), *variants]:
+    for name, t in [("default", default), *grouped_variants(tokens, n, k, default)]:
       f = lambda x, w, sizes, t=t: fm.grouped_fp4_matmul_mosaic(x, sizes, w, tiles=t, out_dtype=F)
       rec(
         label + name, 2, multi(f), (x, wes, sizes), check=lambda f=f, x=x, we=we, ref=ref, sizes=sizes: rel_err(f(x, we, sizes), ref),
@@ -173,14 +205,12 @@ def grouped(tokens):
     wes = wbs = None  # free the copies before the next shape
 
 
-# the questions that matter most first (BUDGET_S may stop the run): decode at M = 8, the MoE layers, M = 1,
-# then the fixed cost (K = 32768: time = fixed + bytes / rate, from two K), the wide weight, 256 tokens
-BEST_GUESS = [MORE_IN_FLIGHT[2]]  # bm8 s7
-dense(8)
+# the questions that matter most first (BUDGET_S may stop the run): the MoE layers at decode, then where a dense
+# call's time goes (a block's fixed cost and its steady rate, from two K; the same without the decode, and
+# without decode and MMAs), then 256 tokens. Run d has M = 1, more slots and x tiles of 8 rows, and the wide weight.
 grouped(64)
-dense(1, variants=BEST_GUESS)
-dense(8, k=32768, variants=BEST_GUESS)
-dense(8, n=28672, variants=BEST_GUESS)
+dense(8, variants=[], diagnostics=True)
+dense(8, k=32768, variants=[], diagnostics=True)
 grouped(256)
 
 print("total", round(time.time() - T0), "s", flush=True)
