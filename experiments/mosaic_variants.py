@@ -160,57 +160,70 @@ E = 128
 
 
 # Run d (docs/gpu_check/h200-2026-12-04d-*): four 64-row tiles per step (row_tiles 4) or 8 slots, twice the
-# weight bytes in flight, were 8% faster at gate_up, 64 tokens (93.6 and 92.8 us against 101.5) and slower at
-# down. Both also halve the blocks (8 tiles each, chained): a block's fixed cost (3.5 us, from K = 8192 and
-# 32768 dense) is paid half as often. So: more tiles chained per block (tiles_per_block), down to one wave.
-def grouped_variants(tokens, n, k, default):
-  units = n // 64 // default.row_tiles
-  more = [t for t in (8, 12, 16, 24) if t > default.tiles_per_block and units % t == 0]
-  out = [(f"tpb{t}", dataclasses.replace(default, tiles_per_block=t)) for t in more]
-  if (n, k) == (1536, 2048) and tokens == 64:
-    out.append(("rt2 bk256 s8 2wg tpb6", T(16, 256, 8, tiles_per_block=6, row_tiles=2, compute_wgs=2)))
-  return out
+# weight bytes in flight, were 8% faster at gate_up, 64 tokens, and slower at down; both also halve the blocks.
+# Run e (-04e-*): chaining more of an expert's units per block (tiles_per_block 4 -> 8, 12, 24 at gate_up; 4 -> 8,
+# 16 at down) took 101.0 -> 90.2, 86.6, 82.6 us and 56.5 -> 49.1, 45.6 us: a block's fixed cost paid less often.
+# That is the default now (`default_grouped_tiles`), with two pass lanes so that an expert whose rows take two
+# x tiles (13% of calls at 64 tokens, 30% at 256) does not double its one block's time. This run: the default,
+# and on group sizes where expert 0 has 17 rows (two passes) the default and one lane.
+def two_pass_sizes(sizes):
+  """sizes with expert 0 given 17 rows (two x tiles of 16), the rows taken from the largest other groups."""
+  sizes = np.array(sizes)
+  extra = 17 - sizes[0]
+  sizes[0] = 17
+  while extra > 0:
+    sizes[1 + np.argmax(sizes[1:])] -= 1
+    extra -= 1
+  return sizes
 
 
-def grouped(tokens):
-  for n, k in ((1536, 2048), (2048, 768)):
+def grouped(tokens, two_pass=False):
+  for n, k in ((1536, 2048), (2048, 768)) if not two_pass else ((1536, 2048),):
     if time.time() - T0 > BUDGET_S:
       break
     qe = fp4.quantize(jax.random.normal(jax.random.key(3), (E, n, k)), "nvfp4")
     we = fm.pack_fragments(qe)
     wes = copies(we, 2)
-    wbs = [jax.random.normal(jax.random.key(20 + i), (E, n, k), jnp.bfloat16) for i in range(2)]
     ids = np.random.default_rng(0).integers(0, E, tokens * 8)
-    sizes = jnp.asarray(np.bincount(ids, minlength=E), jnp.int32)
+    sizes = np.bincount(ids, minlength=E)
+    sizes = jnp.asarray(two_pass_sizes(sizes) if two_pass else sizes, jnp.int32)
     x = jax.random.normal(jax.random.key(4), (tokens * 8, k), jnp.bfloat16)
     ref = np.asarray(g.grouped_fp4_matmul_reference(x, sizes, qe, out_dtype=F))
     touched = int(np.sum(np.asarray(sizes) > 0))
     fp4_bytes, bf16_bytes = touched * n * k * 0.5625, touched * n * k * 2
     default = fm.default_grouped_tiles(tokens * 8, E, k, n)
-    label = f"grouped {tokens} tokens [{n},{k}] "
-    for name, t in [("default", default), *grouped_variants(tokens, n, k, default)]:
+    label = f"grouped {tokens} tokens [{n},{k}] " + ("two-pass expert " if two_pass else "")
+    variants = [("default", default)]
+    if two_pass:
+      variants.append(("1 lane", dataclasses.replace(default, pass_lanes=1)))
+    for name, t in variants:
       f = lambda x, w, sizes, t=t: fm.grouped_fp4_matmul_mosaic(x, sizes, w, tiles=t, out_dtype=F)
       rec(
         label + name, 2, multi(f), (x, wes, sizes), check=lambda f=f, x=x, we=we, ref=ref, sizes=sizes: rel_err(f(x, we, sizes), ref),
         tiles=str(t), weight_bytes=fp4_bytes, experts_with_rows=touched,
+        max_passes=int(fm.passes(np.asarray(sizes), t.block_m).max()),
       )  # fmt: skip
-    bf16_ref = np.asarray(
-      jax.lax.ragged_dot(x.astype(F), jnp.swapaxes(wbs[0], 1, 2).astype(F), sizes, precision="highest")
-    )
-    triton = lambda x, w, sizes: g.grouped_bf16_matmul(x, sizes, w, out_dtype=F)
-    rec(
-      label + "bf16 triton (grouped_bf16_matmul)", 2, multi(triton), (x, wbs, sizes), weight_bytes=bf16_bytes,
-      check=lambda triton=triton, x=x, w=wbs[0], sizes=sizes, want=bf16_ref: rel_err(triton(x, w, sizes), want),
-    )  # fmt: skip
+    if not two_pass:
+      wbs = [jax.random.normal(jax.random.key(20 + i), (E, n, k), jnp.bfloat16) for i in range(2)]
+      bf16_ref = np.asarray(
+        jax.lax.ragged_dot(x.astype(F), jnp.swapaxes(wbs[0], 1, 2).astype(F), sizes, precision="highest")
+      )
+      triton = lambda x, w, sizes: g.grouped_bf16_matmul(x, sizes, w, out_dtype=F)
+      rec(
+        label + "bf16 triton (grouped_bf16_matmul)", 2, multi(triton), (x, wbs, sizes), weight_bytes=bf16_bytes,
+        check=lambda triton=triton, x=x, w=wbs[0], sizes=sizes, want=bf16_ref: rel_err(triton(x, w, sizes), want),
+      )  # fmt: skip
     wes = wbs = None  # free the copies before the next shape
 
 
-# the questions that matter most first (BUDGET_S may stop the run): the MoE layers at decode, then where a dense
-# call's time goes (a block's fixed cost and its steady rate, from two K; the same without the decode, and
-# without decode and MMAs), then 256 tokens. Run d has M = 1, more slots and x tiles of 8 rows, and the wide weight.
+# the questions that matter most first (BUDGET_S may stop the run): the MoE layers at decode (and a two-pass
+# expert), 256 tokens, then where a dense call's time goes (a block's fixed cost and its steady rate, from two
+# K; the same without the decode, and without decode and MMAs). Run d has M = 1, more slots and x tiles of 8
+# rows, and the wide weight.
 grouped(64)
+grouped(64, two_pass=True)
+grouped(256)
 dense(8, variants=[], diagnostics=True)
 dense(8, k=32768, variants=[], diagnostics=True)
-grouped(256)
 
 print("total", round(time.time() - T0), "s", flush=True)

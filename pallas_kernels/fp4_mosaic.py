@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -566,6 +567,9 @@ class MosaicTiles:
   compute_wgs: int = 1  # consumer warpgroups per block, each 1 / compute_wgs of every step's K (summed at the end)
   parts: int = 1  # a warpgroup's K of a step is decoded and multiplied in this many parts, part p + 1's decode
   #                 overlapping part p's MMAs (one wgmma group each, at most two in flight)
+  pass_lanes: int = 1  # grouped: blocks per (expert, row units) that share its passes (x tiles), lane j taking
+  #                      passes j, j + pass_lanes, ...: an expert whose rows take two passes is not one block's
+  #                      double work (a lane without a pass ends at once)
 
 
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: the pipeline's slots (the rest: barriers, scratch)
@@ -631,21 +635,41 @@ def default_tiles(m: int, k: int, n: int = 0, experts: int = 1) -> MosaicTiles:
   return MosaicTiles(block_m, block_k, slots, cluster=1, row_tiles=row_tiles, compute_wgs=compute_wgs)
 
 
+# A block's fixed cost (launch, first copies, last MMAs and stores), in pipeline steps of 64 x 512 weights: dense,
+# M = 8, N = 8192 on an H200 took 15.9 us at K = 8192 and 53.1 us at K = 32768, so 0.78 us a step and 3.5 us
+# fixed (docs/gpu_check/h200-2026-12-04d-mosaic_variants.json).
+BLOCK_FIXED_STEPS = 4.5
+
+
 def default_grouped_tiles(m: int, num_experts: int, k: int, n: int = 0) -> MosaicTiles:
   """block_m: 16 while the mean group is at most 8 rows, else 32, so that at decode a group longer
   than block_m (which takes another pass, streaming its expert's tile again) is rare: at 256 tokens
   top-8 of 128 experts the groups are 16 +- 4 rows.
-  tiles_per_block: up to 4 of an expert's row units per block, chained, while the grid keeps
-  WAVES blocks per SM: a block's first copies wait for HBM once, not once per unit. Only blocks of
-  experts with rows stream anything, so the grid counted is theirs: at most M experts (one token's
-  top-8 at decode keeps one 64-row tile per block, 256 blocks at N = 2048)."""
+  tiles_per_block: the row units a block chains (its copies wait for HBM once, not once per unit), chosen
+  by the time it predicts: rounds of SMS blocks x (BLOCK_FIXED_STEPS + the steps of a block's units), counting
+  the blocks of experts with rows only (at most M experts; the others end at once). At 64 tokens top-8 of 128
+  experts that is one block per expert (one round of 125 blocks): on an H200, gate_up [1536, 2048] took
+  82.6 us against 101.0 at 4 units per block (the earlier default; 750 blocks, 6 rounds), down [2048, 768]
+  45.6 against 56.5 (docs/gpu_check/h200-2026-12-04e-mosaic_variants.json). One token's top-8 keeps 96 blocks.
+  pass_lanes: 2 where an expert's rows can take two passes (M + 7 > block_m), so that such an expert's
+  second pass runs in a block of its own instead of doubling its block's time (and so the call's)."""
   active = min(num_experts, m)  # experts with rows, at most
-  tiles = default_tiles(16 if m <= 8 * num_experts else 32, k, n, active)
+  block_m = 16 if m <= 8 * num_experts else 32
+  tiles = default_tiles(block_m, k, n, active)
+  lanes = 1 if m + 7 <= block_m else 2
+  if not n:
+    return dataclasses.replace(tiles, pass_lanes=lanes)
   units = n // ROWS // tiles.row_tiles
-  per_block = next(
-    (t for t in (4, 2) if n and units % (t * tiles.cluster) == 0 and active * units // t >= WAVES * SMS), 1
-  )
-  return dataclasses.replace(tiles, tiles_per_block=per_block)
+  expected_passes = max(1, math.ceil((m / active + 3.5) / block_m))  # a group starts 3.5 rows into its x tile
+  lanes_used, lane_passes = min(lanes, expected_passes), -(-expected_passes // lanes)
+  unit_steps = tiles.row_tiles * k / 512
+
+  def predicted(t):  # in steps
+    blocks = active * lanes_used * units // t
+    return -(-blocks // SMS) * (BLOCK_FIXED_STEPS + t * lane_passes * unit_steps)
+
+  per_block = min((t for t in range(1, units + 1) if units % (t * tiles.cluster) == 0), key=predicted)
+  return dataclasses.replace(tiles, tiles_per_block=per_block, pass_lanes=lanes)
 
 
 def passes(group_sizes: np.ndarray, block_m: int) -> np.ndarray:
@@ -655,6 +679,17 @@ def passes(group_sizes: np.ndarray, block_m: int) -> np.ndarray:
   sizes = np.asarray(group_sizes)
   starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
   return np.where(sizes > 0, -(-(starts % 8 + sizes) // block_m), 0)
+
+
+def lane_items(passes, lane, lanes: int, per_block: int):
+  """The items (pass x row unit) of a block in pass lane `lane` of `lanes`, for an expert whose rows take
+  `passes` x tiles: its passes lane, lane + lanes, ... times its per_block row units (jnp or Python ints)."""
+  return jnp.maximum(passes - lane + lanes - 1, 0) // lanes * per_block
+
+
+def item_place(item, lane, lanes: int, per_block: int):
+  """(pass, row unit within the block) of a block's item: the units of one pass, then the lane's next pass."""
+  return lane + item // per_block * lanes, item % per_block
 
 
 def _next_power_of_2(n: int) -> int:
@@ -684,11 +719,12 @@ def grouped_fp4_matmul_mosaic(
   """x [M, K] (rows sorted by expert, `group_sizes` [E] rows each) times expert e's weight^T for
   its rows -> [M, N], on an sm_90 GPU. Weights: `pack_fragments` of the experts [E, N, K].
 
-  One block per (expert, 64 x tiles.tiles_per_block weight rows): it reads the group sizes (its rows' start is the sum of
-  the groups before it, unrolled: no metadata kernel), streams its expert's tile once per x tile
-  its rows touch (`passes`: once at decode) and nothing for an expert without rows, and writes
-  its rows itself (masked stores). Rows past sum(group_sizes) are zero (written by the last
-  expert's blocks), as in `grouped_fp4_matmul`; rows past M are never written."""
+  One block per (expert, pass lane, 64 x row_tiles x tiles_per_block weight rows): it reads the group sizes (its
+  rows' start is the sum of the groups before it, unrolled: no metadata kernel), streams its expert's tiles once
+  per x tile its rows touch (`passes`: once at decode; lane j of `tiles.pass_lanes` takes passes j, j + lanes,
+  ...) and nothing for an expert without rows, and writes its rows itself (masked stores). Rows past
+  sum(group_sizes) are zero (written by the last expert's lane-0 blocks), as in `grouped_fp4_matmul`; rows past
+  M are never written."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -728,6 +764,8 @@ def grouped_fp4_matmul_mosaic(
       f"grouped_fp4_matmul_mosaic: tiles.parts = {tiles.parts} must split a warpgroup's {tiles.block_k // tiles.compute_wgs} "
       f"of K per step into multiples of {SCALE_GROUP_K}."
     )
+  if tiles.pass_lanes < 1:
+    raise ValueError(f"grouped_fp4_matmul_mosaic: tiles.pass_lanes = {tiles.pass_lanes} must be 1 or more.")
   if tiles.block_m % 8 or not 8 <= tiles.block_m <= 64:
     raise ValueError(
       f"grouped_fp4_matmul_mosaic: tiles.block_m = {tiles.block_m} must be a multiple of 8 from 8 to 64."
@@ -759,6 +797,7 @@ def grouped_fp4_matmul_mosaic(
   sum_warpgroups = _sum_warpgroups(block_m, compute_wgs) if compute_wgs > 1 else None
 
   per_block = tiles.tiles_per_block
+  lanes = tiles.pass_lanes
   steps = k // block_k
 
   has_scale = w.tensor_scale is not None  # else no scale operand: XLA would make a kernel of the ones
@@ -766,6 +805,7 @@ def grouped_fp4_matmul_mosaic(
   def kernel(x_gmem, sizes_gmem, words_gmem, *scale_and_out):
     *scale_gmem, out_gmem = scale_and_out
     expert, tile0 = jax.lax.axis_index("e"), jax.lax.axis_index("n") * per_block
+    lane = jax.lax.axis_index("p")  # this block's passes: lane, lane + lanes, ...
     start = jnp.int32(0)
     for g in range(num_experts):
       start = start + jnp.where(g < expert, sizes_gmem[g], 0)
@@ -774,7 +814,7 @@ def grouped_fp4_matmul_mosaic(
 
     total = start + size  # for the last expert: every grouped row
 
-    @pl.when((expert == num_experts - 1) & (jax.lax.axis_index("wg") == 0))  # the compute warpgroup
+    @pl.when((expert == num_experts - 1) & (lane == 0) & (jax.lax.axis_index("wg") == 0))  # the compute warpgroup
     def _():
       zeros = plgpu.layout_cast(jnp.zeros((ROWS, block_m), jnp.float32), plgpu.Layout.WGMMA)
 
@@ -838,10 +878,11 @@ def grouped_fp4_matmul_mosaic(
     # latency once, not per tile. A lone item runs unchained (state None): its producer waits for the
     # consumers before it ends (with a cluster, the other blocks' consumers arrive on this block's
     # barriers: it must not exit first), as STOP does at the end of a chain.
-    items = passes * per_block
+    items = lane_items(passes, lane, lanes, per_block)
 
     def where(item):  # (first x row, row unit) of an item
-      return base + item // per_block * block_m, tile0 + item % per_block
+      p, unit = item_place(item, lane, lanes, per_block)
+      return base + p * block_m, tile0 + unit
 
     def run(item, state, allocations, scratch):
       def compute_context(eval_pipeline):
@@ -891,9 +932,9 @@ def grouped_fp4_matmul_mosaic(
   return plgpu.kernel(
     kernel,
     out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-    grid=(num_experts, n // ROWS // row_tiles // per_block),
-    grid_names=("e", "n"),
-    **(dict(cluster=(1, tiles.cluster), cluster_names=("ce", "cn")) if tiles.cluster > 1 else {}),
+    grid=(num_experts, lanes, n // ROWS // row_tiles // per_block),
+    grid_names=("e", "p", "n"),
+    **(dict(cluster=(1, 1, tiles.cluster), cluster_names=("ce", "cp", "cn")) if tiles.cluster > 1 else {}),
     num_threads=compute_wgs + 1,
     thread_name="wg",
     compiler_params=plgpu.CompilerParams(),  # lane semantics: scalar control flow in the kernel

@@ -112,17 +112,37 @@ def test_default_tiles(m, k, n, want):
   assert fm.default_tiles(m, k, n) == want
 
 
-def test_default_grouped_tiles_chain_up_to_4_tiles_while_2_blocks_per_sm_remain():
-  assert fm.default_grouped_tiles(64 * 8, 128, 2048, 1536) == fm.MosaicTiles(16, 512, 4, tiles_per_block=4, compute_wgs=2)
-  assert fm.default_grouped_tiles(256 * 8, 128, 2048, 1536) == fm.MosaicTiles(32, 512, 4, tiles_per_block=4)
+def test_default_grouped_tiles_chain_an_experts_units_while_its_blocks_fit_one_round():
+  # 64 and 256 tokens top-8 of 128 experts: one block per (expert, pass lane), its 24 units chained (one round of
+  # 125-128 streaming blocks), two pass lanes (a group can take two x tiles)
+  T = fm.MosaicTiles
+  assert fm.default_grouped_tiles(64 * 8, 128, 2048, 1536) == T(16, 512, 4, 1, 24, compute_wgs=2, pass_lanes=2)
+  assert fm.default_grouped_tiles(256 * 8, 128, 2048, 1536) == T(32, 512, 4, 1, 24, pass_lanes=2)
   # down [2048, 768]: steps of 256 on two 64-row tiles (3 steps, 3 slots) instead of one tile at 384
-  assert fm.default_grouped_tiles(64 * 8, 128, 768, 2048) == fm.MosaicTiles(16, 256, 3, 1, 4, row_tiles=2, compute_wgs=2)
-  assert fm.default_grouped_tiles(256 * 8, 128, 768, 2048) == fm.MosaicTiles(32, 256, 3, 1, 4, row_tiles=2)
+  assert fm.default_grouped_tiles(64 * 8, 128, 768, 2048) == T(16, 256, 3, 1, 16, row_tiles=2, compute_wgs=2, pass_lanes=2)
+  assert fm.default_grouped_tiles(256 * 8, 128, 768, 2048) == T(32, 256, 3, 1, 16, row_tiles=2, pass_lanes=2)
   assert fm.default_tiles(16, 768, 2048).row_tiles == 1  # dense: 32 blocks for 132 SMs already
-  # One token (8 rows, 8 experts with rows): only their blocks stream, one 64-row tile each.
-  assert fm.default_grouped_tiles(8, 128, 768, 2048) == fm.MosaicTiles(16, 384, 2, tiles_per_block=1)
-  assert fm.default_grouped_tiles(8, 128, 2048, 1536).tiles_per_block == 1
-  assert fm.default_grouped_tiles(20, 6, 256, 128).tiles_per_block == 1  # 12 blocks: fewer than 2 per SM already
+  # One token (8 rows, 8 experts with rows, one pass each): 2 units per block keeps 96 blocks in one round
+  # (1 unit: 192 blocks, two rounds); one lane.
+  assert fm.default_grouped_tiles(8, 128, 768, 2048) == T(16, 384, 2, tiles_per_block=2)
+  assert fm.default_grouped_tiles(8, 128, 2048, 1536) == T(16, 512, 4, tiles_per_block=2, compute_wgs=2)
+  assert fm.default_grouped_tiles(1, 128, 2048, 1536).tiles_per_block == 1  # 24 blocks: one unit each
+  # prefill-like: 32 rows per expert take two x tiles of 32 mostly: both lanes stream, a round each
+  assert fm.default_grouped_tiles(4096, 128, 2048, 1536) == T(32, 512, 4, 1, 24, pass_lanes=2)
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3])
+@pytest.mark.parametrize("per_block", [1, 3])
+def test_pass_lanes_share_an_experts_passes(lanes, per_block):
+  """The blocks of one expert's pass lanes run each (pass, row unit) once: what the kernel's blocks compute
+  with `lane_items` and `item_place`."""
+  for passes in range(6):
+    seen = [
+      tuple(int(v) for v in fm.item_place(item, lane, lanes, per_block))
+      for lane in range(lanes)
+      for item in range(int(fm.lane_items(passes, lane, lanes, per_block)))
+    ]
+    assert sorted(seen) == [(p, u) for p in range(passes) for u in range(per_block)]
 
 
 def test_every_e4m3_scale_byte():
@@ -365,8 +385,8 @@ def test_grouped_kernel_matches_reference(per_expert_scale):
   x = jnp.asarray(rng.standard_normal((56, k)), jnp.bfloat16)
   want = grouped.grouped_fp4_matmul_reference(x, sizes, w, out_dtype=jnp.float32)
   packed = fm.pack_fragments(w)
-  # the defaults (one tile per block), x multicast to a cluster of 2, 2 chained tiles per block, and both
-  # 64-row tiles in each step (one x tile for two weight tiles)
+  # the defaults (one tile per block), x multicast to a cluster of 2, 2 chained tiles per block, both
+  # 64-row tiles in each step (one x tile for two weight tiles), and passes shared by 2 or 3 lanes
   for tiles in (
     None,
     fm.MosaicTiles(16, 256, 2, cluster=2),
@@ -377,6 +397,8 @@ def test_grouped_kernel_matches_reference(per_expert_scale):
     fm.MosaicTiles(16, 256, 2, row_tiles=2, compute_wgs=2),
     fm.MosaicTiles(16, 256, 2, tiles_per_block=2, parts=2),
     fm.MosaicTiles(16, 512, 1, row_tiles=2, compute_wgs=2, parts=2),
+    fm.MosaicTiles(16, 256, 2, tiles_per_block=2, pass_lanes=2),  # the 40-row group's 3 passes in 2 lanes
+    fm.MosaicTiles(16, 256, 2, compute_wgs=2, pass_lanes=3, cluster=2),
   ):
     got = fm.grouped_fp4_matmul_mosaic(x, sizes, packed, tiles=tiles, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
