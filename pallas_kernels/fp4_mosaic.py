@@ -35,8 +35,9 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     every call slower (`default_tiles`).
   * A block's items (an x tile of its expert's rows x one of its 64-row weight tiles) run one
     pipeline each, chained (Pallas' pipeline of pipelines), so that the producer fetches the next
-    item while the consumer finishes this one: a grouped block takes up to 4 tiles
-    (`default_grouped_tiles`) and waits for HBM once.
+    item while the consumer finishes this one: a grouped block chains all of its expert's tiles at
+    decode (`default_grouped_tiles`), and pays a block's fixed cost (3.5 us on an H200) once. An
+    expert whose rows take two x tiles gives the second its own block (`MosaicTiles.pass_lanes`).
   * Where K leaves no 512-wide step (K = 768: the down projection), a step takes 256 of K on two
     64-row tiles (`MosaicTiles.row_tiles`): one x tile and one set of wgmma descriptors for both, so
     that the loop's fixed cost is spread over as many weights as a 512-wide step.
@@ -60,15 +61,15 @@ for sm_90a without a GPU): 2.48-2.49 SASS instructions per weight, against 6.6
 for the Pallas-Triton kernel. The rollout engine runs it on Hopper (rollout.expert_layout);
 `unpack_fragments` inverts the packing, for the jnp reference.
 
-Measured on an H200 (jax 0.11.2, device time: docs/gpu_check/h200-2026-12-04b-*, -04c-*; README):
-every GPU test here passes. K = N = 8192 at the default tiles: 15.9 us at M = 1, 16.0 at M = 8,
-22.9 at M = 64, against 33.8-40.3 us for XLA's bf16 dot (2.1x, 2.2x, 1.8x), 2.4 TB/s of FP4 bytes.
-With the decode replaced by register moves (same copies, same MMAs) M = 8 takes 13.1 us: the decode
-costs a fifth, the copy pipeline bounds the rest (128 blocks at N = 8192, one per SM; 64 at N = 4096).
-`MosaicTiles.overlap` (the decode of a step overlapping the previous step's MMAs) gained up to 5% at
-block_m 16 with one warpgroup, and gave wrong sums elsewhere: it is refused there. Not yet timed: more
-weight bytes in flight per SM, by slots that do not divide K's steps (a block with one item) or x
-tiles of 8 rows (block_m = 8, wgmma N = 8: half of x's shared memory, 7 slots of 512).
+Measured on an H200 (jax 0.11.2, device time: docs/gpu_check/h200-2026-12-04b-* to -04f-*; README):
+every GPU test here passes (run c). K = N = 8192 at the default tiles: 15.9 us at M = 1, 16.0 at M = 8,
+22.9 at M = 64, against 33.8-40.3 us for XLA's bf16 dot (2.1x, 2.2x, 1.8x); at K = 32768, M = 8: 2.37x.
+A block costs 3.5 us fixed and then 0.78 us per 512-wide step (3.0 TB/s of FP4 bytes over 128 SMs; the
+bf16 dot streams 4.4). More weight bytes in flight per SM (5 slots, or x tiles of 8 rows with 7) were no
+faster; with the decode replaced by register moves a step is about a fifth faster. Grouped, 64 tokens
+top-8 of 128 experts: 87.8 us (gate_up) and 53.4 us (down) at the default tiles, 2.35x and 2.78x our bf16
+Triton grouped kernel. `MosaicTiles.overlap` (the decode of a step overlapping the previous step's MMAs)
+gained up to 5% at block_m 16 with one warpgroup, and gave wrong sums elsewhere: it is refused there.
 
 CPU: the kernel needs an sm_90 GPU (Mosaic GPU has no interpret mode for inline Mosaic code); the
 packing and a numpy emulation of the register decode (`decode_fragments_numpy`, instruction by
@@ -681,15 +682,20 @@ def passes(group_sizes: np.ndarray, block_m: int) -> np.ndarray:
   return np.where(sizes > 0, -(-(starts % 8 + sizes) // block_m), 0)
 
 
-def lane_items(passes, lane, lanes: int, per_block: int):
-  """The items (pass x row unit) of a block in pass lane `lane` of `lanes`, for an expert whose rows take
-  `passes` x tiles: its passes lane, lane + lanes, ... times its per_block row units (jnp or Python ints)."""
-  return jnp.maximum(passes - lane + lanes - 1, 0) // lanes * per_block
-
-
-def item_place(item, lane, lanes: int, per_block: int):
-  """(pass, row unit within the block) of a block's item: the units of one pass, then the lane's next pass."""
-  return lane + item // per_block * lanes, item % per_block
+def block_work(size_of, num_experts: int, expert, lane, block_m: int, lanes: int):
+  """What a grouped block streams: (its expert's rows' start, its rows, the passes this block runs, pass(q)),
+  pass(q) being the x tile of its q-th pass (block_m rows from the 8-row tile holding the group's start: a
+  group takes ceil((start % 8 + size) / block_m) passes, `passes`); pass lane `lane` of `lanes` takes passes
+  lane, lane + lanes, ... `size_of(g)`: expert g's rows. jnp scalar arithmetic: the kernel's prologue, which
+  tests run on numbers. (Its unrolled loop over the experts runs in each of a block's 12 warps: about 370 SASS
+  instructions at 128 experts, in every block's start, an empty lane's too.)"""
+  start = jnp.int32(0)
+  for g in range(num_experts):
+    start = start + jnp.where(g < expert, size_of(g), 0)
+  size = size_of(expert)
+  passes = jnp.where(size > 0, (start % 8 + size + block_m - 1) // block_m, 0)
+  count = jnp.maximum(passes - lane + lanes - 1, 0) // lanes
+  return start, size, count, lambda q: lane + q * lanes
 
 
 def _next_power_of_2(n: int) -> int:
@@ -805,11 +811,8 @@ def grouped_fp4_matmul_mosaic(
   def kernel(x_gmem, sizes_gmem, words_gmem, *scale_and_out):
     *scale_gmem, out_gmem = scale_and_out
     expert, tile0 = jax.lax.axis_index("e"), jax.lax.axis_index("n") * per_block
-    lane = jax.lax.axis_index("p")  # this block's passes: lane, lane + lanes, ...
-    start = jnp.int32(0)
-    for g in range(num_experts):
-      start = start + jnp.where(g < expert, sizes_gmem[g], 0)
-    size = sizes_gmem[expert]
+    lane = jax.lax.axis_index("p")
+    start, size, passes, pass_of = block_work(lambda g: sizes_gmem[g], num_experts, expert, lane, block_m, lanes)
     scale = scale_gmem[0][expert] if has_scale else jnp.float32(1.0)
 
     total = start + size  # for the last expert: every grouped row
@@ -871,18 +874,16 @@ def grouped_fp4_matmul_mosaic(
     # x's tiles start at a multiple of 8 rows (its copies are tiled 8 rows deep): the group's rows
     # are [start - base, start - base + size) of the tiles from `base` on.
     base = start // 8 * 8
-    passes = jnp.where(size > 0, (start - base + size + block_m - 1) // block_m, 0)
 
     # One pipeline per (pass, weight tile), chained (START, STEADY..., STOP): the producer fetches the
     # next one's first steps while the consumer finishes this one, so a block pays the copies'
     # latency once, not per tile. A lone item runs unchained (state None): its producer waits for the
     # consumers before it ends (with a cluster, the other blocks' consumers arrive on this block's
     # barriers: it must not exit first), as STOP does at the end of a chain.
-    items = lane_items(passes, lane, lanes, per_block)
+    items = passes * per_block  # this block's passes x its row units
 
-    def where(item):  # (first x row, row unit) of an item
-      p, unit = item_place(item, lane, lanes, per_block)
-      return base + p * block_m, tile0 + unit
+    def where(item):  # (first x row, row unit) of an item: the units of one pass, then the next pass
+      return base + pass_of(item // per_block) * block_m, tile0 + item % per_block
 
     def run(item, state, allocations, scratch):
       def compute_context(eval_pipeline):

@@ -119,7 +119,9 @@ def test_default_grouped_tiles_chain_an_experts_units_while_its_blocks_fit_one_r
   assert fm.default_grouped_tiles(64 * 8, 128, 2048, 1536) == T(16, 512, 4, 1, 24, compute_wgs=2, pass_lanes=2)
   assert fm.default_grouped_tiles(256 * 8, 128, 2048, 1536) == T(32, 512, 4, 1, 24, pass_lanes=2)
   # down [2048, 768]: steps of 256 on two 64-row tiles (3 steps, 3 slots) instead of one tile at 384
-  assert fm.default_grouped_tiles(64 * 8, 128, 768, 2048) == T(16, 256, 3, 1, 16, row_tiles=2, compute_wgs=2, pass_lanes=2)
+  assert fm.default_grouped_tiles(64 * 8, 128, 768, 2048) == T(
+    16, 256, 3, 1, 16, row_tiles=2, compute_wgs=2, pass_lanes=2
+  )
   assert fm.default_grouped_tiles(256 * 8, 128, 768, 2048) == T(32, 256, 3, 1, 16, row_tiles=2, pass_lanes=2)
   assert fm.default_tiles(16, 768, 2048).row_tiles == 1  # dense: 32 blocks for 132 SMs already
   # One token (8 rows, 8 experts with rows, one pass each): 2 units per block keeps 96 blocks in one round
@@ -132,17 +134,25 @@ def test_default_grouped_tiles_chain_an_experts_units_while_its_blocks_fit_one_r
 
 
 @pytest.mark.parametrize("lanes", [1, 2, 3])
-@pytest.mark.parametrize("per_block", [1, 3])
-def test_pass_lanes_share_an_experts_passes(lanes, per_block):
-  """The blocks of one expert's pass lanes run each (pass, row unit) once: what the kernel's blocks compute
-  with `lane_items` and `item_place`."""
-  for passes in range(6):
-    seen = [
-      tuple(int(v) for v in fm.item_place(item, lane, lanes, per_block))
-      for lane in range(lanes)
-      for item in range(int(fm.lane_items(passes, lane, lanes, per_block)))
-    ]
-    assert sorted(seen) == [(p, u) for p in range(passes) for u in range(per_block)]
+def test_blocks_run_each_pass_of_each_expert_once(lanes):
+  """What the grouped kernel's blocks stream (`block_work`, its prologue's arithmetic): every x tile an
+  expert's rows touch (`passes`) once, from the right start, over `lanes` pass lanes."""
+  rng = np.random.default_rng(7)
+  for block_m in (8, 16, 32):
+    for _ in range(5):
+      e = 9
+      sizes = rng.integers(0, 3 * block_m, e) * (rng.random(e) < 0.7)
+      starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+      seen = []
+      for expert in range(e):
+        for lane in range(lanes):
+          start, size, count, pass_of = fm.block_work(
+            lambda g, sizes=sizes: jnp.int32(sizes[g]), e, jnp.int32(expert), jnp.int32(lane), block_m, lanes
+          )
+          assert (int(start), int(size)) == (starts[expert], sizes[expert])
+          seen += [(expert, int(pass_of(jnp.int32(q)))) for q in range(int(count))]
+      want = fm.passes(sizes, block_m)
+      assert sorted(seen) == [(g, p) for g in range(e) for p in range(want[g])], (sizes, block_m)
 
 
 def test_every_e4m3_scale_byte():
@@ -358,15 +368,23 @@ def test_grouped_kernel_rejects_bad_calls():
   with pytest.raises(ValueError, match="= 1 x 1 x 2 does not divide N / 64 = 1"):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, row_tiles=2))
   with pytest.raises(ValueError, match="overlap needs one item per block"):  # 24 rows: two passes
-    fm.grouped_fp4_matmul_mosaic(jnp.ones((24, 128), jnp.bfloat16), jnp.array([24, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, overlap=True))
+    fm.grouped_fp4_matmul_mosaic(
+      jnp.ones((24, 128), jnp.bfloat16), jnp.array([24, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, overlap=True)
+    )
+  with pytest.raises(ValueError, match="pass_lanes = 0 must be 1 or more"):
+    fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, pass_lanes=0))
   with pytest.raises(ValueError, match="block_m = 12 must be a multiple of 8 from 8 to 64"):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(12, 128, 1))
   w2 = fm.pack_fragments(_experts(np.random.default_rng(0), 2, 64, 256, False))
   with pytest.raises(ValueError, match="must divide the 2 steps of K when a block chains items"):  # 24 rows: 2 items
-    fm.grouped_fp4_matmul_mosaic(jnp.ones((24, 256), jnp.bfloat16), jnp.array([24, 0]), w2, tiles=fm.MosaicTiles(16, 128, 3))
+    fm.grouped_fp4_matmul_mosaic(
+      jnp.ones((24, 256), jnp.bfloat16), jnp.array([24, 0]), w2, tiles=fm.MosaicTiles(16, 128, 3)
+    )
   with pytest.raises(ValueError, match="overlap is right only with one compute warpgroup and block_m = 16"):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(32, 128, 1, overlap=True))
-  with pytest.raises(ValueError, match="compute_wgs = 2 must be 1 or 2, each taking a multiple of 128 of the block_k = 128"):
+  with pytest.raises(
+    ValueError, match="compute_wgs = 2 must be 1 or 2, each taking a multiple of 128 of the block_k = 128"
+  ):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, compute_wgs=2))
   with pytest.raises(ValueError, match="parts = 2 must split a warpgroup's 128 of K per step into multiples of 128"):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, parts=2))
