@@ -174,6 +174,7 @@ def two_pass_sizes(sizes):
   """sizes with expert 0 given 17 rows (two x tiles of 16), the rows taken from the largest other groups."""
   sizes = np.array(sizes)
   extra = 17 - sizes[0]
+  assert extra >= 0, sizes[0]
   sizes[0] = 17
   while extra > 0:
     sizes[1 + np.argmax(sizes[1:])] -= 1

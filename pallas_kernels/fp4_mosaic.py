@@ -62,11 +62,11 @@ for the Pallas-Triton kernel. The rollout engine runs it on Hopper (rollout.expe
 `unpack_fragments` inverts the packing, for the jnp reference.
 
 Measured on an H200 (jax 0.11.2, device time: docs/gpu_check/h200-2026-12-04b-* to -04f-*; README):
-every GPU test here passes (run c). K = N = 8192 at the default tiles: 15.9 us at M = 1, 16.0 at M = 8,
+every GPU test here passed in run c; in run f the grouped ones (pass lanes, four row tiles) passed again. K = N = 8192 at the default tiles: 15.9 us at M = 1, 16.0 at M = 8,
 22.9 at M = 64, against 33.8-40.3 us for XLA's bf16 dot (2.1x, 2.2x, 1.8x); at K = 32768, M = 8: 2.37x.
-A block costs 3.5 us fixed and then 0.78 us per 512-wide step (3.0 TB/s of FP4 bytes over 128 SMs; the
+A block costs 3.5 us fixed and then 0.77 us per 512-wide step (3.0 TB/s of FP4 bytes over 128 SMs; the
 bf16 dot streams 4.4). More weight bytes in flight per SM (5 slots, or x tiles of 8 rows with 7) were no
-faster; with the decode replaced by register moves a step is about a fifth faster. Grouped, 64 tokens
+faster; with the decode replaced by register moves the call is a fifth faster (a step a quarter). Grouped, 64 tokens
 top-8 of 128 experts: 87.8 us (gate_up) and 53.4 us (down) at the default tiles, 2.35x and 2.78x our bf16
 Triton grouped kernel. `MosaicTiles.overlap` (the decode of a step overlapping the previous step's MMAs)
 gained up to 5% at block_m 16 with one warpgroup, and gave wrong sums elsewhere: it is refused there.
@@ -637,9 +637,9 @@ def default_tiles(m: int, k: int, n: int = 0, experts: int = 1) -> MosaicTiles:
 
 
 # A block's fixed cost (launch, first copies, last MMAs and stores), in pipeline steps of 64 x 512 weights: dense,
-# M = 8, N = 8192 on an H200 took 15.9 us at K = 8192 and 53.1 us at K = 32768, so 0.78 us a step and 3.5 us
+# M = 8, N = 8192 on an H200 took 15.94 us at K = 8192 and 53.13 us at K = 32768, so 0.775 us a step and 3.54 us
 # fixed (docs/gpu_check/h200-2026-12-04d-mosaic_variants.json).
-BLOCK_FIXED_STEPS = 4.5
+BLOCK_FIXED_STEPS = 4.6
 
 
 def default_grouped_tiles(m: int, num_experts: int, k: int, n: int = 0) -> MosaicTiles:
@@ -648,16 +648,19 @@ def default_grouped_tiles(m: int, num_experts: int, k: int, n: int = 0) -> Mosai
   top-8 of 128 experts the groups are 16 +- 4 rows.
   tiles_per_block: the row units a block chains (its copies wait for HBM once, not once per unit), chosen
   by the time it predicts: rounds of SMS blocks x (BLOCK_FIXED_STEPS + the steps of a block's units), counting
-  the blocks of experts with rows only (at most M experts; the others end at once). At 64 tokens top-8 of 128
-  experts that is one block per expert (one round of 125 blocks): on an H200, gate_up [1536, 2048] took
-  82.6 us against 101.0 at 4 units per block (the earlier default; 750 blocks, 6 rounds), down [2048, 768]
-  45.6 against 56.5 (docs/gpu_check/h200-2026-12-04e-mosaic_variants.json). One token's top-8 keeps 96 blocks.
-  pass_lanes: 2 where an expert's rows can take two passes (M + 7 > block_m), so that such an expert's
-  second pass runs in a block of its own instead of doubling its block's time (and so the call's)."""
+  the blocks that stream (experts with rows: at most M; their second lanes only where passes are expected; the
+  blocks that end at once are not counted, though on an H200 the empty second lanes cost 5-8 us: README). At 64
+  and 256 tokens top-8 of 128 experts that is one block per expert and lane, all its units chained. On an H200
+  at 64 tokens (docs/gpu_check/h200-2026-12-04e-*, -04f-*): gate_up [1536, 2048] 87.8 us, against 101.0 at 4
+  units per block (the earlier default; 750 blocks, 6 rounds) and 82.6 with one lane; down [2048, 768] 53.4
+  us, against 56.5 and 45.6. One token's top-8 keeps 96 blocks (2 units each).
+  pass_lanes: 2 where an expert's rows can take two passes (M > block_m: a group's rows from an 8-row boundary
+  span start % 8 + size <= M rows), so that such an expert's second pass runs in a block of its own instead of
+  doubling its block's time, and so the call's: 87.7 us against 155.7 with one lane (run f)."""
   active = min(num_experts, m)  # experts with rows, at most
   block_m = 16 if m <= 8 * num_experts else 32
   tiles = default_tiles(block_m, k, n, active)
-  lanes = 1 if m + 7 <= block_m else 2
+  lanes = 1 if m <= block_m else 2
   if not n:
     return dataclasses.replace(tiles, pass_lanes=lanes)
   units = n // ROWS // tiles.row_tiles

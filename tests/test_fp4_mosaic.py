@@ -129,6 +129,9 @@ def test_default_grouped_tiles_chain_an_experts_units_while_its_blocks_fit_one_r
   assert fm.default_grouped_tiles(8, 128, 768, 2048) == T(16, 384, 2, tiles_per_block=2)
   assert fm.default_grouped_tiles(8, 128, 2048, 1536) == T(16, 512, 4, tiles_per_block=2, compute_wgs=2)
   assert fm.default_grouped_tiles(1, 128, 2048, 1536).tiles_per_block == 1  # 24 blocks: one unit each
+  # two passes need more rows than block_m (a group spans start % 8 + size <= M rows from an 8-row boundary)
+  assert fm.default_grouped_tiles(16, 128, 2048, 1536).pass_lanes == 1
+  assert fm.default_grouped_tiles(17, 128, 2048, 1536).pass_lanes == 2
   # prefill-like: 32 rows per expert take two x tiles of 32 mostly: both lanes stream, a round each
   assert fm.default_grouped_tiles(4096, 128, 2048, 1536) == T(32, 512, 4, 1, 24, pass_lanes=2)
 

@@ -224,7 +224,7 @@ def test_mosaic_fp4_two_warpgroups(rows):
 @needs_toolchain
 def test_mosaic_fp4_default_grouped_tiles(rows):
   """The default tiles themselves (the budget rows above force one warpgroup): grouped down [2048, 768] at
-  64 tokens takes two warpgroups, two 64-row tiles per 256-wide step and 4 chained row units per block.
+  64 tokens takes two warpgroups, two 64-row tiles per 256-wide step and all 16 row units chained per block.
   One launch, no spills, 16 HGMMA per warpgroup per step (2 tiles x 128 / 16)."""
   row = rows["mosaic_grouped_down_default"]
   t = row["tiles"]
@@ -235,8 +235,8 @@ def test_mosaic_fp4_default_grouped_tiles(rows):
 @needs_toolchain
 def test_mosaic_fp4_x_tiles_of_8_rows(rows):
   """block_m = 8 (wgmma N = 8) halves x's shared memory per step, so that 7 slots of 512 fit: more weight
-  bytes in flight per SM, which the H200 measured as the bound (README, "measured"). Not the default
-  until timed. One launch, no spills, 16 HGMMA per warpgroup per step, the registers within the pool."""
+  bytes in flight per SM. On an H200 (run d: README, "measured") it was no faster than the default, which
+  it is not. One launch, no spills, 16 HGMMA per warpgroup per step, the registers within the pool."""
   row = rows["mosaic_fp4_bm8"]
   assert row["launch_names"] == ["kCustomCall"] and row["spill_bytes"] == 0
   assert row["loop_mmas"] == 16 and row["tiles"]["block_m"] == 8 and row["tiles"]["slots"] == 7
