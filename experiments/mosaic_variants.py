@@ -35,6 +35,7 @@ far, record that one as hung and go on (gpu_check does). Earlier runs, docs/gpu_
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 
@@ -92,30 +93,13 @@ K = N = 8192
 NW = 4  # weight copies per call: 4 x 37.7 MB FP4 (151 MB) / 4 x 134 MB bf16 > 50 MB L2
 
 
-def dense_weights(n, k, seed):
-  """NW copies of an [n, k] weight, packed FP4 and bf16 [k, n], and the FP4 weight's float32 values."""
+@functools.cache
+def weights(n, k):
+  """NW copies of an [n, k] weight, packed FP4 and bf16 [k, n], and the FP4 weight's float32 values (made once)."""
+  seed = 0 if (n, k) == (N, K) else 30
   q = fp4.quantize(jax.random.normal(jax.random.key(seed), (n, k)), "nvfp4")
   wb = [jax.random.normal(jax.random.key(seed + 1 + i), (k, n), jnp.bfloat16) for i in range(NW)]
   return copies(fm.pack_fragments(q), NW), wb, fp4.dequantize(q, F)
-
-
-WEIGHTS = {}  # (n, k) -> dense_weights
-
-
-def weights(n, k):
-  if (n, k) not in WEIGHTS:
-    WEIGHTS[(n, k)] = dense_weights(n, k, 0 if (n, k) == (N, K) else 30)
-  return WEIGHTS[(n, k)]
-
-
-# more weight bytes in flight per SM: a fifth slot (slots need not divide the steps of a lone item), or x tiles
-# of 8 rows (wgmma N = 8: half of x's shared memory) and 4, 7 or 14 slots (run d: none faster than the default)
-MORE_IN_FLIGHT = [
-  ("2wg s5", T(16, 512, 5, compute_wgs=2)),
-  ("bm8 2wg s4", T(8, 512, 4, compute_wgs=2)),
-  ("bm8 2wg s7", T(8, 512, 7, compute_wgs=2)),
-  ("bm8 2wg bk256 s14", T(8, 256, 14, compute_wgs=2)),
-]
 
 
 @contextlib.contextmanager
@@ -139,7 +123,7 @@ def without(part):
     jax.clear_caches()
 
 
-def dense(M, n=N, k=K, variants=MORE_IN_FLIGHT, diagnostics=False):
+def dense(M, n=N, k=K, variants=(), diagnostics=False):
   """bf16 dot, the default tiles and `variants` for x [M, k] times an [n, k] weight (diagnostics: also
   without the decode, and without decode and MMAs)."""
   x = jax.random.normal(jax.random.key(2), (M, k), jnp.bfloat16)
@@ -228,7 +212,7 @@ def grouped(tokens, two_pass=False):
 grouped(64)
 grouped(64, two_pass=True)
 grouped(256)
-dense(8, variants=[], diagnostics=True)
-dense(8, k=32768, variants=[], diagnostics=True)
+dense(8, diagnostics=True)
+dense(8, k=32768, diagnostics=True)
 
 print("total", round(time.time() - T0), "s", flush=True)
