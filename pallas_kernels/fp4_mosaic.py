@@ -571,6 +571,9 @@ class MosaicTiles:
   pass_lanes: int = 1  # grouped: blocks per (expert, row units) that share its passes (x tiles), lane j taking
   #                      passes j, j + pass_lanes, ...: an expert whose rows take two passes is not one block's
   #                      double work (a lane without a pass ends at once)
+  early_exit: bool = False  # a block whose expert has no rows, or too few for its lane (lane x block_m >= 7 + rows),
+  #                           ends after one load, before the prologue (the sum over the experts before it) and the
+  #                           pipeline's setup; not yet timed on a GPU (mosaic_variants.py has the row)
 
 
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: the pipeline's slots (the rest: barriers, scratch)
@@ -701,6 +704,14 @@ def block_work(size_of, num_experts: int, expert, lane, block_m: int, lanes: int
   return start, size, count, lambda q: lane + q * lanes
 
 
+def block_may_work(size, num_experts: int, expert, lane, block_m: int):
+  """False only for a grouped block with nothing to do (`MosaicTiles.early_exit`), from its expert's rows alone:
+  a group of `size` rows starts at most 7 rows into its first x tile, so it takes at most ceil((7 + size) /
+  block_m) passes, and lane `lane` has one only below that; lane 0 of the last expert also zero-fills the rows
+  past the groups. (`block_work` says exactly what a block runs, after the sum over the experts before it.)"""
+  return ((size > 0) & (lane * block_m < size + 7)) | ((expert == num_experts - 1) & (lane == 0))
+
+
 def _next_power_of_2(n: int) -> int:
   return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -812,6 +823,13 @@ def grouped_fp4_matmul_mosaic(
   has_scale = w.tensor_scale is not None  # else no scale operand: XLA would make a kernel of the ones
 
   def kernel(x_gmem, sizes_gmem, words_gmem, *scale_and_out):
+    expert, lane = jax.lax.axis_index("e"), jax.lax.axis_index("p")
+    if not tiles.early_exit:
+      return work(x_gmem, sizes_gmem, words_gmem, *scale_and_out)
+    may_work = block_may_work(sizes_gmem[expert], num_experts, expert, lane, block_m)
+    pl.when(may_work)(lambda: work(x_gmem, sizes_gmem, words_gmem, *scale_and_out))
+
+  def work(x_gmem, sizes_gmem, words_gmem, *scale_and_out):
     *scale_gmem, out_gmem = scale_and_out
     expert, tile0 = jax.lax.axis_index("e"), jax.lax.axis_index("n") * per_block
     lane = jax.lax.axis_index("p")

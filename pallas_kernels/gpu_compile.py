@@ -198,6 +198,12 @@ class KernelSass:
   def loop_histogram(self, top: int = 12) -> dict[str, int]:
     return dict(collections.Counter(self.loop).most_common(top))
 
+  def loads_before_exit(self) -> int | None:
+    """Global loads (LDG) in the SASS before its first EXIT (None without one): what a block that ends early
+    waits for (a grouped Mosaic block reads its group sizes)."""
+    ops = [op for _, op, _ in sass_instructions(self.sass)]
+    return ops[: ops.index("EXIT")].count("LDG") if "EXIT" in ops else None
+
   def setmaxnreg(self) -> dict[str, list[int]]:
     """The registers per thread that warp-specialized warpgroups give back ("dealloc": the producer) and
     take ("alloc": the consumers) with setmaxnreg (SASS USETMAXREG), in order; empty lists if none."""

@@ -139,8 +139,10 @@ def test_default_grouped_tiles_chain_an_experts_units_while_its_blocks_fit_one_r
 @pytest.mark.parametrize("lanes", [1, 2, 3])
 def test_blocks_run_each_pass_of_each_expert_once(lanes):
   """What the grouped kernel's blocks stream (`block_work`, its prologue's arithmetic): every x tile an
-  expert's rows touch (`passes`) once, from the right start, over `lanes` pass lanes."""
+  expert's rows touch (`passes`) once, from the right start, over `lanes` pass lanes; and `block_may_work`
+  (MosaicTiles.early_exit) ends none of the blocks that have work."""
   rng = np.random.default_rng(7)
+  skipped = 0
   for block_m in (8, 16, 32):
     for _ in range(5):
       e = 9
@@ -154,8 +156,14 @@ def test_blocks_run_each_pass_of_each_expert_once(lanes):
           )
           assert (int(start), int(size)) == (starts[expert], sizes[expert])
           seen += [(expert, int(pass_of(jnp.int32(q)))) for q in range(int(count))]
+          # early_exit ends a block from its expert's rows alone: never one with a pass or the zero-fill to run
+          may_work = bool(fm.block_may_work(jnp.int32(sizes[expert]), e, jnp.int32(expert), jnp.int32(lane), block_m))
+          assert may_work or (int(count) == 0 and not (expert == e - 1 and lane == 0)), (sizes, expert, lane)
+          skipped += int(not may_work)
       want = fm.passes(sizes, block_m)
       assert sorted(seen) == [(g, p) for g in range(e) for p in range(want[g])], (sizes, block_m)
+  # and it does end blocks: experts without rows, and lanes past a group's passes
+  assert skipped > 0
 
 
 def test_every_e4m3_scale_byte():
@@ -420,10 +428,19 @@ def test_grouped_kernel_matches_reference(per_expert_scale):
     fm.MosaicTiles(16, 512, 1, row_tiles=2, compute_wgs=2, parts=2),
     fm.MosaicTiles(16, 256, 2, tiles_per_block=2, pass_lanes=2),  # the 40-row group's 3 passes in 2 lanes
     fm.MosaicTiles(16, 256, 2, compute_wgs=2, pass_lanes=3, cluster=2),
+    fm.MosaicTiles(16, 256, 2, tiles_per_block=2, pass_lanes=2, early_exit=True),  # empty blocks end at once
+    fm.MosaicTiles(16, 256, 2, compute_wgs=2, pass_lanes=3, cluster=2, early_exit=True),
   ):
     got = fm.grouped_fp4_matmul_mosaic(x, sizes, packed, tiles=tiles, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
     assert np.all(np.asarray(got)[51:] == 0)
+  # early_exit where the last expert has no rows: its lane 0 still zero-fills the rows past the groups
+  sizes = jnp.asarray([3, 0, 40, 1, 7, 0], jnp.int32)
+  want = grouped.grouped_fp4_matmul_reference(x, sizes, w, out_dtype=jnp.float32)
+  tiles = fm.MosaicTiles(16, 256, 2, pass_lanes=2, early_exit=True)
+  got = fm.grouped_fp4_matmul_mosaic(x, sizes, packed, tiles=tiles, out_dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
+  assert np.all(np.asarray(got)[51:] == 0)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels need an sm_90 GPU (the layout is tested above)")

@@ -245,6 +245,32 @@ def test_mosaic_fp4_x_tiles_of_8_rows(rows):
 
 
 @needs_toolchain
+def test_mosaic_fp4_early_exit(rows):
+  """MosaicTiles.early_exit (not the default until a GPU times it): a grouped block whose expert has no rows, or
+  too few for its pass lane, ends after one load of its group size, before the 32 vector loads of all 128 sizes
+  (and the sum over them) that every block of the default kernel waits for; the main loop is the default's."""
+  row, default = rows["mosaic_grouped_early_exit"], rows["mosaic_grouped"]
+  assert row["tiles"]["compute_wgs"] == 2 and row["launch_names"] == ["kCustomCall"] and row["spill_bytes"] == 0
+  assert row["loads_before_exit"] == 1
+  assert default["loads_before_exit"] >= 128 // 4  # the sizes, four to a load
+  assert row["loop_mmas"] == 16
+
+
+@needs_toolchain
+def test_wgmma_rate_kernel_compiles():
+  """The tensor-core rate probe that mosaic_variants.py times on a GPU (experiments/wgmma_rate.py) issues the FP4
+  kernel's MMA: HGMMA 64x16x16 with A from registers, in chains of 16 (one wgmma call of K = 256) in its loop."""
+  env = dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+  cmd = [sys.executable, "experiments/wgmma_rate.py", "--compile", "--first"]
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  row = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert (row["n"], row["wgs"], row["a_in_smem"]) == (16, 2, False)
+  assert row["launches"] == 1 and row["spill_bytes"] == 0 and row["hgmma_shapes"] == ["64x16x16"]
+  assert row["loop_mmas"] > 0 and row["loop_mmas"] % 16 == 0
+
+
+@needs_toolchain
 def test_mosaic_fp4_odd_shapes_compile(rows):
   """Shapes the tiled copies of x constrain (8-row tiles): M = 12 pads x to 16 rows first (one more launch);
   a grouped call of 20 rows (6 experts, K = 256: one 256-wide step) compiles the same kernel after
