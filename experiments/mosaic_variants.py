@@ -12,12 +12,14 @@ costs; the second is what a kernel change moves. GB/s are from device_us where t
 
 In this order (BUDGET_S, default 270, stops it early): grouped, 64 tokens top-8 of 128 experts, gate_up
 [1536, 2048] and down [2048, 768]: the default tiles (one block per expert and pass lane, its row units
-chained) and the Triton grouped kernel of the same family on bf16 weights (`grouped_bf16_matmul`); gate_up on
-group sizes where one expert's rows take two x tiles, with two pass lanes (the default) and one; 256 tokens,
-the same with one lane too; then where a dense call's time goes: M = 8, K = 8192 and 32768 (a block's fixed
-cost and its steady rate), each also without the decode and without decode and MMAs. Every call reads its
-own weight copy (more than the 50 MB L2 in all). A variant whose sums are off the reference (`err` above
-MAX_ERR) gets an "error" too: the stage fails.
+chained), the same with `early_exit` (a block without work ends after one load), and the Triton kernel of the
+same family on bf16 weights (`grouped_bf16_matmul`); the tensor cores' rate at the kernel's MMA shape
+(experiments/wgmma_rate.py: ns per wgmma m64 x N x k16 per SM, N = 8..256); a dense call, M = 8, K = N = 8192,
+also without the decode and without decode and MMAs; gate_up where expert 0, then expert 120, takes two x tiles
+(an early and a late block in the grid); 256 tokens, with early exit and with one lane; M = 8, K = 32768 (a
+block's fixed cost and its steady rate, with the K = 8192 rows). Every call reads its own weight copy (more than
+the 50 MB L2 in all). A variant whose sums are off the reference (`err` above MAX_ERR) gets an "error" too: the
+stage fails.
 
 A row that runs past ROW_S (a kernel that hangs) ends the process; rerun with RESUME=1 to keep the rows so
 far, record that one as hung and go on (gpu_check does). Earlier runs, docs/gpu_check/h200-2026-12-04*:
@@ -43,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import device_time
+from experiments import device_time, wgmma_rate
 from experiments.bench_fp4_matmul import copies, rel_err
 from pallas_kernels import fp4_mosaic as fm
 from pallas_kernels import grouped_fp4_matmul as g
@@ -154,65 +156,108 @@ E = 128
 # That is the default now (`default_grouped_tiles`), with two pass lanes so that an expert whose rows take two
 # x tiles (13% of calls at 64 tokens, 30% at 256) does not double its one block's time. This run: the default,
 # and on group sizes where expert 0 has 17 rows (two passes) the default and one lane.
-def two_pass_sizes(sizes):
-  """sizes with expert 0 given 17 rows (two x tiles of 16), the rows taken from the largest other groups."""
+def two_pass_sizes(sizes, expert, block_m=16):
+  """`sizes` (the same total) with `expert` given block_m + 1 rows from an 8-row boundary: two x tiles, the only
+  expert with two. The boundary is made by taking rows from the largest groups before it, the total kept by the
+  groups after it."""
   sizes = np.array(sizes)
-  extra = 17 - sizes[0]
-  assert extra >= 0, sizes[0]
-  sizes[0] = 17
-  while extra > 0:
-    sizes[1 + np.argmax(sizes[1:])] -= 1
-    extra -= 1
+  total, after = sizes.sum(), slice(expert + 1, None)
+  assert expert + 1 < len(sizes), "two_pass_sizes: the total is kept by the groups after the expert"
+  sizes[expert] = block_m + 1
+  while sizes[:expert].sum() % 8:
+    sizes[np.argmax(sizes[:expert])] -= 1
+  while sizes.sum() != total:
+    i = expert + 1 + (np.argmax(sizes[after]) if sizes.sum() > total else np.argmin(sizes[after]))
+    sizes[i] += 1 if sizes.sum() < total else -1
+  passes = fm.passes(sizes, block_m)
+  assert sizes.min() >= 0 and passes[expert] == 2 and np.sum(passes > 1) == 1, sizes
   return sizes
 
 
-def grouped(tokens, two_pass=False):
-  for n, k in ((1536, 2048), (2048, 768)) if not two_pass else ((1536, 2048),):
+def grouped(tokens, variants=(), two_pass=()):
+  """gate_up [1536, 2048] and down [2048, 768], `tokens` top-8 of 128 experts (sampled): the default tiles,
+  `variants` (name, fields changed from the default) and the bf16 Triton grouped kernel of the same family. With
+  `two_pass` (experts), gate_up's default only, on group sizes where each of those experts in turn takes two x
+  tiles (`two_pass_sizes`)."""
+  for n, k in ((1536, 2048),) if two_pass else ((1536, 2048), (2048, 768)):
     if time.time() - T0 > BUDGET_S:
       break
     qe = fp4.quantize(jax.random.normal(jax.random.key(3), (E, n, k)), "nvfp4")
-    we = fm.pack_fragments(qe)
-    wes = copies(we, 2)
+    weights = (qe, fm.pack_fragments(qe))
     ids = np.random.default_rng(0).integers(0, E, tokens * 8)
-    sizes = np.bincount(ids, minlength=E)
-    sizes = jnp.asarray(two_pass_sizes(sizes) if two_pass else sizes, jnp.int32)
+    sampled = np.bincount(ids, minlength=E)
     x = jax.random.normal(jax.random.key(4), (tokens * 8, k), jnp.bfloat16)
-    ref = np.asarray(g.grouped_fp4_matmul_reference(x, sizes, qe, out_dtype=F))
-    touched = int(np.sum(np.asarray(sizes) > 0))
-    fp4_bytes, bf16_bytes = touched * n * k * 0.5625, touched * n * k * 2
     default = fm.default_grouped_tiles(tokens * 8, E, k, n)
-    label = f"grouped {tokens} tokens [{n},{k}] " + ("two-pass expert " if two_pass else "")
-    variants = [("default", default)]
-    if two_pass or tokens == 256:  # what the second lane costs where it is empty, and saves where it is not
-      variants.append(("1 lane", dataclasses.replace(default, pass_lanes=1)))
-    for name, t in variants:
-      f = lambda x, w, sizes, t=t: fm.grouped_fp4_matmul_mosaic(x, sizes, w, tiles=t, out_dtype=F)
-      rec(
-        label + name, 2, multi(f), (x, wes, sizes), check=lambda f=f, x=x, we=we, ref=ref, sizes=sizes: rel_err(f(x, we, sizes), ref),
-        tiles=str(t), weight_bytes=fp4_bytes, experts_with_rows=touched,
-        max_passes=int(fm.passes(np.asarray(sizes), t.block_m).max()),
-      )  # fmt: skip
-    if not two_pass:
-      wbs = [jax.random.normal(jax.random.key(20 + i), (E, n, k), jnp.bfloat16) for i in range(2)]
-      bf16_ref = np.asarray(
-        jax.lax.ragged_dot(x.astype(F), jnp.swapaxes(wbs[0], 1, 2).astype(F), sizes, precision="highest")
-      )
-      triton = lambda x, w, sizes: g.grouped_bf16_matmul(x, sizes, w, out_dtype=F)
-      rec(
-        label + "bf16 triton (grouped_bf16_matmul)", 2, multi(triton), (x, wbs, sizes), weight_bytes=bf16_bytes,
-        check=lambda triton=triton, x=x, w=wbs[0], sizes=sizes, want=bf16_ref: rel_err(triton(x, w, sizes), want),
-      )  # fmt: skip
-    wes = wbs = None  # free the copies before the next shape
+    label = f"grouped {tokens} tokens [{n},{k}] "
+    for expert in two_pass:
+      grouped_rows(label + f"two-pass expert {expert} ", x, weights, two_pass_sizes(sampled, expert), [("default", default)])
+    if two_pass:
+      continue
+    tiles = [("default", default)] + [(name, dataclasses.replace(default, **fields)) for name, fields in variants]
+    grouped_rows(label, x, weights, sampled, tiles)
+    sizes = jnp.asarray(sampled, jnp.int32)
+    wbs = [jax.random.normal(jax.random.key(20 + i), (E, n, k), jnp.bfloat16) for i in range(2)]
+    bf16_ref = np.asarray(jax.lax.ragged_dot(x.astype(F), jnp.swapaxes(wbs[0], 1, 2).astype(F), sizes, precision="highest"))
+    triton = lambda x, w, sizes: g.grouped_bf16_matmul(x, sizes, w, out_dtype=F)
+    rec(
+      label + "bf16 triton (grouped_bf16_matmul)", 2, multi(triton), (x, wbs, sizes),
+      weight_bytes=int(np.sum(sampled > 0)) * n * k * 2,
+      check=lambda triton=triton, x=x, w=wbs[0], sizes=sizes, want=bf16_ref: rel_err(triton(x, w, sizes), want),
+    )  # fmt: skip
+    wbs = None  # free the copies before the next shape
 
 
-# the questions that matter most first (BUDGET_S may stop the run): the MoE layers at decode (and a two-pass
-# expert), 256 tokens, then where a dense call's time goes (a block's fixed cost and its steady rate, from two
-# K; the same without the decode, and without decode and MMAs). Run d has M = 1, more slots and x tiles of 8
+def grouped_rows(label, x, weights, sizes, tiles):
+  """The Mosaic kernel at each of `tiles` (name, MosaicTiles) on these group sizes, two weight copies a call."""
+  qe, we = weights
+  sizes = jnp.asarray(sizes, jnp.int32)
+  ref = np.asarray(g.grouped_fp4_matmul_reference(x, sizes, qe, out_dtype=F))
+  wes = copies(we, 2)
+  touched = int(np.sum(np.asarray(sizes) > 0))
+  n, k = we.shape[1:]
+  for name, t in tiles:
+    f = lambda x, w, sizes, t=t: fm.grouped_fp4_matmul_mosaic(x, sizes, w, tiles=t, out_dtype=F)
+    rec(
+      label + name, 2, multi(f), (x, wes, sizes), check=lambda f=f: rel_err(f(x, we, sizes), ref),
+      tiles=str(t), weight_bytes=touched * n * k * 0.5625, experts_with_rows=touched,
+      max_passes=int(fm.passes(np.asarray(sizes), t.block_m).max()),
+    )  # fmt: skip
+
+
+# --- the tensor cores' rate at the kernel's MMA shape ------------------------------------------------------
+
+
+def wgmma_rates(variants=wgmma_rate.VARIANTS):
+  """ns of an SM's time per wgmma m64 x N x k16 (experiments/wgmma_rate.py: no copies, no decode), at N = 8..256,
+  one or two warpgroups, A from registers (the FP4 kernel's) or shared memory. The FP4 kernel's steady step issues
+  32 of N = 16 per SM and took 0.775 us (0.60 without the decode): 24 ns (19) each. A rate near that says the MMAs
+  bound the step; one N = 16 as slow as N = 64 says that tokens are free up to 64 and weights per instruction
+  are what counts."""
+  for n, wgs, a_in_smem in variants:
+    name = f"wgmma rate N={n} wgs={wgs} A in " + ("smem" if a_in_smem else "registers")
+    if time.time() - T0 > BUDGET_S or log.done((name, None)):
+      continue
+    f = wgmma_rate.rate_kernel(n, wgs=wgs, a_in_smem=a_in_smem)
+    with log.row(dict(name=name, n=n, wgs=wgs, a_in_smem=a_in_smem, reps=wgmma_rate.REPS)) as row:
+      m = device_time.measure(f, (jnp.ones(1, F),), reps=5, profile_reps=3)
+      row["wall_us"] = round(m.wall_us, 2)
+      row["device_us"] = None if m.device_us is None else round(m.device_us, 2)
+      ns = wgmma_rate.ns_per_instruction(row["device_us"] or row["wall_us"], reps=wgmma_rate.REPS, wgs=wgs)
+      row["ns_per_wgmma_per_sm"] = round(ns, 2)
+      row["weights_per_ns_per_sm"] = round(wgmma_rate.ROWS * 16 / ns, 1)  # weights (m64 x k16) an instruction covers
+
+
+# the questions that matter most first (BUDGET_S may stop the run): the MoE layers at decode, with empty blocks
+# ending early; whether the tensor cores bound the step (the wgmma rate; a dense call without its decode, and
+# without decode and MMAs); a two-pass expert early and late in the grid; 256 tokens; a dense call at K = 32768
+# (a block's fixed cost and its steady rate, with the K = 8192 rows). Run d has M = 1, more slots and x tiles of 8
 # rows, and the wide weight.
-grouped(64)
-grouped(64, two_pass=True)
-grouped(256)
+EARLY_EXIT = ("early exit", dict(early_exit=True))
+grouped(64, variants=[EARLY_EXIT])
+wgmma_rates()
 dense(8, diagnostics=True)
+grouped(64, two_pass=(0, 120))
+grouped(256, variants=[EARLY_EXIT, ("1 lane", dict(pass_lanes=1))])
 dense(8, k=32768, diagnostics=True)
 
 print("total", round(time.time() - T0), "s", flush=True)
