@@ -255,7 +255,9 @@ def main(argv=None):
         f"{name} / {best[b]} at batch {b}: {ratio:.2f}x ({verdict} the {GOAL:.0f}x goal); "
         f"per CPU second {cpu_ratio:.2f}x"
       )
-    print(f"ours fp4 time / ours bf16 time at batch {b}: {wall['ours fp4', b] / wall['ours bf16', b]:.2f} (goal <= 1.2)")
+    print(
+      f"ours fp4 time / ours bf16 time at batch {b}: {wall['ours fp4', b] / wall['ours bf16', b]:.2f} (goal <= 1.2)"
+    )
 
   # Same model on both sides: compare greedy tokens. bf16 flips near-ties of this random model's flat
   # logits; an fp32 engine (untimed) should reproduce transformers float32 token for token.

@@ -190,14 +190,18 @@ def grouped(tokens, variants=(), two_pass=()):
     default = fm.default_grouped_tiles(tokens * 8, E, k, n)
     label = f"grouped {tokens} tokens [{n},{k}] "
     for expert in two_pass:
-      grouped_rows(label + f"two-pass expert {expert} ", x, weights, two_pass_sizes(sampled, expert), [("default", default)])
+      grouped_rows(
+        label + f"two-pass expert {expert} ", x, weights, two_pass_sizes(sampled, expert), [("default", default)]
+      )
     if two_pass:
       continue
     tiles = [("default", default)] + [(name, dataclasses.replace(default, **fields)) for name, fields in variants]
     grouped_rows(label, x, weights, sampled, tiles)
     sizes = jnp.asarray(sampled, jnp.int32)
     wbs = [jax.random.normal(jax.random.key(20 + i), (E, n, k), jnp.bfloat16) for i in range(2)]
-    bf16_ref = np.asarray(jax.lax.ragged_dot(x.astype(F), jnp.swapaxes(wbs[0], 1, 2).astype(F), sizes, precision="highest"))
+    bf16_ref = np.asarray(
+      jax.lax.ragged_dot(x.astype(F), jnp.swapaxes(wbs[0], 1, 2).astype(F), sizes, precision="highest")
+    )
     triton = lambda x, w, sizes: g.grouped_bf16_matmul(x, sizes, w, out_dtype=F)
     rec(
       label + "bf16 triton (grouped_bf16_matmul)", 2, multi(triton), (x, wbs, sizes),

@@ -222,7 +222,9 @@ def with_expert_layout(params: EngineParams, layout: str, dtype) -> EngineParams
         return m
       if m.gate.tensor_scale is not None:  # weight sync gives none; gate and up would need one scale
         raise ValueError("with_expert_layout: experts with a tensor scale cannot be packed as fragments.")
-      gate_up = m.gate if m.up is None else jax.tree_util.tree_map(lambda g, u: jnp.concatenate([g, u], 1), m.gate, m.up)
+      gate_up = (
+        m.gate if m.up is None else jax.tree_util.tree_map(lambda g, u: jnp.concatenate([g, u], 1), m.gate, m.up)
+      )
       return dataclasses.replace(m, gate=mosaic.pack_fragments(gate_up), up=None, down=mosaic.pack_fragments(m.down))
     gate, up, down = (None if w is None else codes(w) for w in (m.gate, m.up, m.down))
     if layout == "values":
