@@ -37,7 +37,9 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     pipeline each, chained (Pallas' pipeline of pipelines), so that the producer fetches the next
     item while the consumer finishes this one: a grouped block chains all of its expert's tiles at
     decode (`default_grouped_tiles`), and pays a block's fixed cost (3.5 us on an H200) once. An
-    expert whose rows take two x tiles gives the second its own block (`MosaicTiles.pass_lanes`).
+    expert whose rows take two x tiles gives the second its own block (`MosaicTiles.pass_lanes`). The
+    blocks that then have nothing (most second lanes) cost 5-8 us a call on an H200; with
+    `MosaicTiles.early_exit` (off until timed) they end after one load of their group size.
   * Where K leaves no 512-wide step (K = 768: the down projection), a step takes 256 of K on two
     64-row tiles (`MosaicTiles.row_tiles`): one x tile and one set of wgmma descriptors for both, so
     that the loop's fixed cost is spread over as many weights as a 512-wide step.
