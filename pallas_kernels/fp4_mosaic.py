@@ -572,10 +572,10 @@ class MosaicTiles:
   #                 overlapping part p's MMAs (one wgmma group each, at most two in flight)
   pass_lanes: int = 1  # grouped: blocks per (expert, row units) that share its passes (x tiles), lane j taking
   #                      passes j, j + pass_lanes, ...: an expert whose rows take two passes is not one block's
-  #                      double work (a lane without a pass ends at once)
+  #                      double work (a lane without a pass copies nothing, after the prologue)
   early_exit: bool = False  # a block whose expert has no rows, or too few for its lane (lane x block_m >= 7 + rows),
-  #                           ends after one load, before the prologue (the sum over the experts before it) and the
-  #                           pipeline's setup; not yet timed on a GPU (mosaic_variants.py has the row)
+  #                           ends after one load (after Mosaic's barrier setup, before the prologue's sum over the
+  #                           experts before it); not yet timed on a GPU (mosaic_variants.py has the rows)
 
 
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: the pipeline's slots (the rest: barriers, scratch)
