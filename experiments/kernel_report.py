@@ -85,6 +85,7 @@ class Case:
   slots: int = 0  # mosaic_fp4: pipeline slots (MosaicTiles.max_concurrent_steps), 0: the default tiles'
   tensor_scale: bool = True  # nvfp4: a per-tensor scale besides the block scales
   early_exit: bool = False  # mosaic_fp4 grouped: MosaicTiles.early_exit
+  ping_pong: str = ""  # mosaic_fp4: MosaicTiles.ping_pong
   label: str = ""
 
 
@@ -113,6 +114,8 @@ TEST_CASES = [
   Case("mosaic_fp4", 8, 8192, 8192, compute_wgs=2, block_m=8, slots=7, label="mosaic_fp4_bm8"),
   # not the default: a block without work ends after one load (MosaicTiles.early_exit), the default tiles else
   Case("mosaic_fp4", 64 * 8, 1536, 2048, 128, 64, compute_wgs=0, early_exit=True, label="mosaic_grouped_early_exit"),
+  # not the default: the two warpgroups take turns at the MMAs (MosaicTiles.ping_pong)
+  Case("mosaic_fp4", 8, 8192, 8192, compute_wgs=2, ping_pong="issued", label="mosaic_fp4_ping_pong"),
   Case("engine", 64, 2048, 768, experts=128, tokens=64, label="engine_step"),
 ]
 
@@ -296,7 +299,7 @@ def _mosaic_fp4_row(case: Case) -> dict:
   """fp4_mosaic's kernel: dense (experts = 0) or grouped, the weight packed as wgmma fragments."""
   w = jax.eval_shape(mosaic.pack_fragments, _weight(case))
   x = jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16)
-  options = dict(parts=case.parts, early_exit=case.early_exit)  # on top of the default tiles
+  options = dict(parts=case.parts, early_exit=case.early_exit, ping_pong=case.ping_pong)  # on top of the defaults
   fields = (("compute_wgs", case.compute_wgs), ("block_m", case.block_m), ("max_concurrent_steps", case.slots))
   options.update({k: v for k, v in fields if v})
   if case.experts:
@@ -347,6 +350,7 @@ def _row(case: Case, program, tiles, streamed: int, distinct: int, partial_bytes
     loop_mmas=sum(op in gpu_compile.MMA_OPCODES for op in kernel.loop),
     loop_top=kernel.loop_histogram(6),
     loads_before_exit=kernel.loads_before_exit(),
+    loop_named_barriers=sum(op == "BAR" for op in kernel.loop),  # bar.sync / bar.arrive in the main loop
     setmaxnreg=kernel.setmaxnreg(),
     instructions_per_weight=round(ipw, 2),
     within_budget=ipw <= BUDGET,

@@ -10,16 +10,17 @@ jitted call (dispatch to block_until_ready, divided by the calls it makes), and 
 kernels' own time on the GPU's streams from a profiler trace. The first holds dispatch and launch
 costs; the second is what a kernel change moves. GB/s are from device_us where there is one.
 
-In this order (BUDGET_S, default 270, stops it early): grouped, 64 tokens top-8 of 128 experts, gate_up
+In this order (BUDGET_S, default 270, stops it early): a dense call, M = 8, K = N = 8192: XLA's bf16 dot, the
+default tiles, the same with the two compute warpgroups taking turns at the MMAs (`ping_pong` "issued" and
+"done"), without the decode, and without decode and MMAs; grouped, 64 tokens top-8 of 128 experts, gate_up
 [1536, 2048] and down [2048, 768]: the default tiles (one block per expert and pass lane, its row units
-chained), the same with `early_exit` (a block without work ends after one load), and the Triton kernel of the
-same family on bf16 weights (`grouped_bf16_matmul`); the tensor cores' rate at the kernel's MMA shape
-(experiments/wgmma_rate.py: ns per wgmma m64 x N x k16 per SM, N = 8..256); a dense call, M = 8, K = N = 8192,
-also without the decode and without decode and MMAs; gate_up where expert 0, then expert 120, takes two x tiles
-(an early and a late block in the grid); 256 tokens, with early exit and with one lane; M = 8, K = 32768 (a
-block's fixed cost and its steady rate, with the K = 8192 rows). Every call reads its own weight copy (more than
-the 50 MB L2 in all). A variant whose sums are off the reference (`err` above MAX_ERR) gets an "error" too: the
-stage fails.
+chained), with `early_exit` (a block without work ends after one load), with turns, and the Triton kernel of
+the same family on bf16 weights (`grouped_bf16_matmul`); the tensor cores' rate at the kernel's MMA shape
+(experiments/wgmma_rate.py: ns per wgmma m64 x N x k16 per SM, N = 8..256); gate_up where expert 0, then expert
+120, takes two x tiles (an early and a late block in the grid); 256 tokens, with early exit and with one lane;
+M = 8, K = 32768, the same rows as at 8192 (a block's fixed cost and its steady rate). Every call reads its own
+weight copy (more than the 50 MB L2 in all). A variant whose sums are off the reference (`err` above MAX_ERR)
+gets an "error" too: the stage fails.
 
 A row that runs past ROW_S (a kernel that hangs) ends the process; rerun with RESUME=1 to keep the rows so
 far, record that one as hung and go on (gpu_check does). Earlier runs, docs/gpu_check/h200-2026-12-04*:
@@ -251,17 +252,22 @@ def wgmma_rates(variants=wgmma_rate.VARIANTS):
       row["weights_per_ns_per_sm"] = round(wgmma_rate.ROWS * 16 / ns, 1)  # weights (m64 x k16) an instruction covers
 
 
-# the questions that matter most first (BUDGET_S may stop the run): the MoE layers at decode, with empty blocks
-# ending early; whether the tensor cores bound the step (the wgmma rate; a dense call without its decode, and
-# without decode and MMAs); a two-pass expert early and late in the grid; 256 tokens; a dense call at K = 32768
-# (a block's fixed cost and its steady rate, with the K = 8192 rows). Run d has M = 1, more slots and x tiles of 8
-# rows, and the wide weight.
+# the questions that matter most first (BUDGET_S may stop the run): a dense call with the warpgroups taking turns
+# at the MMAs, and where its time goes (without the decode, and without decode and MMAs); the MoE layers at decode,
+# with empty blocks ending early and with turns; the tensor cores' rate; a two-pass expert early and late in the
+# grid; 256 tokens; a dense call at K = 32768 (a block's fixed cost and its steady rate, with the K = 8192 rows).
+# Run d has M = 1, more slots and x tiles of 8 rows, and the wide weight.
+def turns(m, k, n):
+  return [(f"ping-pong {when}", dataclasses.replace(fm.default_tiles(m, k, n), ping_pong=when)) for when in PING_PONG]
+
+
+PING_PONG = ("issued", "done")
 EARLY_EXIT = ("early exit", dict(early_exit=True))
-grouped(64, variants=[EARLY_EXIT])
+dense(8, variants=turns(8, K, N), diagnostics=True)
+grouped(64, variants=[EARLY_EXIT, ("ping-pong issued", dict(ping_pong="issued"))])
 wgmma_rates()
-dense(8, diagnostics=True)
 grouped(64, two_pass=(0, 120))
 grouped(256, variants=[EARLY_EXIT, ("1 lane", dict(pass_lanes=1))])
-dense(8, k=32768, diagnostics=True)
+dense(8, k=32768, variants=turns(8, 32768, N), diagnostics=True)
 
 print("total", round(time.time() - T0), "s", flush=True)

@@ -50,7 +50,9 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     decode, 32 dependent wgmmas, wait) is halved and two of them run at once on each SM
     sub-partition, for the same grid. Each warpgroup gets 216 registers (168 at launch; the
     producer keeps 72: `_registers_fit`), and a step of 1024 keeps 512 per warpgroup (2.52
-    instructions per weight, against 2.70 at 512).
+    instructions per weight, against 2.70 at 512). Both wait for the same step, so they decode together
+    and then multiply together; `MosaicTiles.ping_pong` (off until timed) makes them take turns at the
+    MMAs (two named barriers), so that one decodes while the other's MMAs run.
   * A warpgroup's share of a step can be decoded and multiplied in parts (`MosaicTiles.parts`, off:
     on an H200 mostly slower, and always slower than two warpgroups): one wgmma group per part,
     and a wait for the group before the last one, so that part p + 1's decode runs while part p's
@@ -464,6 +466,41 @@ def _decode_tile(width: int, tile: int = 0, first_group: int = 0, wg_groups: int
 
 # a named barrier of the compute warpgroups (Mosaic's warpgroup barriers take 1-4; 0 is the block's)
 REDUCE_BARRIER = 15
+# MosaicTiles.ping_pong: "warpgroup w's MMAs of this step are done", w = 0, 1 (named barriers of 256 threads)
+TURN_BARRIERS = (13, 14)
+
+
+def _turn(kind: str):
+  """inline_mgpu function of no operands (MosaicTiles.ping_pong: the two compute warpgroups' MMAs take turns).
+  Warpgroup w waits for the other's turn to end ("wait": bar.sync on the other's barrier) and ends its own
+  ("end": bar.arrive on its own); "start" and "finish" balance the barriers around an item's steps (warpgroup 1
+  ends a turn before the first step; warpgroup 0 waits for its last). Each bar.sync meets one bar.arrive of the
+  other warpgroup (128 + 128 threads), so a warpgroup's turn s + 1 waits for the other's turn s, which waits
+  for its own turn s: they alternate, and neither arrives twice before the other has waited."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  ops = {
+    "wait": f"@p bar.sync {TURN_BARRIERS[1]}, 256; @!p bar.sync {TURN_BARRIERS[0]}, 256;",  # wg 0 waits for wg 1's
+    "end": f"@p bar.arrive {TURN_BARRIERS[0]}, 256; @!p bar.arrive {TURN_BARRIERS[1]}, 256;",
+    "start": f"@!p bar.arrive {TURN_BARRIERS[1]}, 256;",
+    "finish": f"@p bar.sync {TURN_BARRIERS[1]}, 256;",
+  }[kind]
+
+  def turn(_):
+    i32 = ir.IntegerType.get_signless(32)
+    wg = arith.divui(mgpu_utils.thread_idx(), mgpu_utils.c(THREADS, i32))
+    llvm.inline_asm(
+      ir.Type.parse("!llvm.void"),
+      [wg],
+      "{ .reg .pred p; setp.eq.u32 p, $0, 0; " + ops + " }",
+      "r,~{memory}",
+      has_side_effects=True,
+    )
+
+  return plgpu.inline_mgpu()(turn)
 
 
 def _sum_warpgroups(block_m: int, compute_wgs: int):
@@ -573,6 +610,9 @@ class MosaicTiles:
   pass_lanes: int = 1  # grouped: blocks per (expert, row units) that share its passes (x tiles), lane j taking
   #                      passes j, j + pass_lanes, ...: an expert whose rows take two passes is not one block's
   #                      double work (a lane without a pass copies nothing, after the prologue)
+  ping_pong: str = ""  # compute_wgs = 2: the warpgroups take turns at the tensor cores (named barriers), so that one
+  #                     decodes while the other's MMAs run (else both decode, then both multiply, in step): a warpgroup
+  #                     issues a step's MMAs once the other has "issued" its own, or once they are "done"; "": off
   early_exit: bool = False  # a block whose expert has no rows, or too few for its lane (lane x block_m >= 7 + rows),
   #                           ends after one load (after Mosaic's barrier setup, before the prologue's sum over the
   #                           experts before it); not yet timed on a GPU (mosaic_variants.py has the rows)
@@ -786,6 +826,14 @@ def grouped_fp4_matmul_mosaic(
       f"grouped_fp4_matmul_mosaic: tiles.parts = {tiles.parts} must split a warpgroup's {tiles.block_k // tiles.compute_wgs} "
       f"of K per step into multiples of {SCALE_GROUP_K}."
     )
+  if tiles.ping_pong not in ("", "issued", "done"):
+    raise ValueError(f"grouped_fp4_matmul_mosaic: tiles.ping_pong = {tiles.ping_pong!r}: use 'issued', 'done' or ''.")
+  if tiles.ping_pong and (tiles.compute_wgs != 2 or tiles.parts != 1 or tiles.overlap):
+    raise ValueError(
+      f"grouped_fp4_matmul_mosaic: tiles.ping_pong = {tiles.ping_pong!r} needs compute_wgs = 2, parts = 1 and "
+      f"overlap off (got compute_wgs = {tiles.compute_wgs}, parts = {tiles.parts}, overlap = {tiles.overlap}): the two "
+      "compute warpgroups take turns at the tensor cores."
+    )
   if tiles.pass_lanes < 1:
     raise ValueError(f"grouped_fp4_matmul_mosaic: tiles.pass_lanes = {tiles.pass_lanes} must be 1 or more.")
   if tiles.block_m % 8 or not 8 <= tiles.block_m <= 64:
@@ -817,6 +865,7 @@ def grouped_fp4_matmul_mosaic(
   ]
   store_rows = _store_rows(block_m, out_dtype)
   sum_warpgroups = _sum_warpgroups(block_m, compute_wgs) if compute_wgs > 1 else None
+  turn = {kind: _turn(kind) for kind in ("wait", "end", "start", "finish")} if tiles.ping_pong else None
 
   per_block = tiles.tiles_per_block
   lanes = tiles.pass_lanes
@@ -853,6 +902,17 @@ def grouped_fp4_matmul_mosaic(
     def body(_, x_smem, words_smem, accs):
       if compute_wgs > 1:  # this warpgroup's share of K (its words: _decode_tile)
         x_smem = x_smem.at[:, pl.ds(pl.multiple_of(jax.lax.axis_index("wg") * wg_k, wg_k), wg_k)]
+      if tiles.ping_pong:  # decode; multiply after the other warpgroup's turn; end this one's turn
+        registers = [decode_tile(words_smem) for decode_tile in decode[0]]
+        turn["wait"]()  # (ptxas moves part of the decode past this wait: "issued" lets it overlap the other's MMAs)
+        for a, acc_ref in zip(registers, accs):
+          plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_smem, (1, 0)))
+        if tiles.ping_pong == "issued":
+          turn["end"]()
+        plgpu.wgmma_wait(0)
+        if tiles.ping_pong == "done":
+          turn["end"]()
+        return accs
       if parts == 1:
         for decode_tile, acc_ref in zip(decode[0], accs):  # one x tile for the unit's row tiles
           plgpu.wgmma(acc_ref, decode_tile(words_smem), plgpu.transpose_ref(x_smem, (1, 0)))
@@ -912,7 +972,11 @@ def grouped_fp4_matmul_mosaic(
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped, accs=[plgpu.ACC((ROWS, block_m), jnp.float32)] * row_tiles)
         def _(accs):
+          if tiles.ping_pong:
+            turn["start"]()
           eval_pipeline(accs)
+          if tiles.ping_pong:
+            turn["finish"]()
           if tiles.overlap:
             plgpu.wgmma_wait(0)
           row0, unit = where(item)  # after the loop: fewer values live through it

@@ -278,6 +278,8 @@ def test_kernel_matches_reference(m, tensor_amax):
     fm.MosaicTiles(bm, 256, 3, compute_wgs=2),  # slots that do not divide the 4 steps (one item per block)
     fm.MosaicTiles(bm, 512, 2, parts=4),  # a step in 4 wgmma groups, each part's decode overlapping the last one's MMAs
     fm.MosaicTiles(bm, 1024, 1, compute_wgs=2, parts=2),
+    fm.MosaicTiles(bm, 512, 2, compute_wgs=2, ping_pong="issued"),  # the warpgroups take turns at the MMAs
+    fm.MosaicTiles(bm, 256, 3, compute_wgs=2, ping_pong="done"),
   ):
     got = fm.fp4_matmul_mosaic(x, fm.pack_fragments(w), tiles=tiles, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
@@ -382,6 +384,10 @@ def test_grouped_kernel_rejects_bad_calls():
     fm.grouped_fp4_matmul_mosaic(
       jnp.ones((24, 128), jnp.bfloat16), jnp.array([24, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, overlap=True)
     )
+  with pytest.raises(ValueError, match="ping_pong = 'issued' needs compute_wgs = 2"):
+    fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, ping_pong="issued"))
+  with pytest.raises(ValueError, match="ping_pong = 'yes': use 'issued', 'done' or ''"):
+    fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 256, 1, ping_pong="yes"))
   with pytest.raises(ValueError, match="pass_lanes = 0 must be 1 or more"):
     fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(16, 128, 1, pass_lanes=0))
   with pytest.raises(ValueError, match="block_m = 12 must be a multiple of 8 from 8 to 64"):
@@ -430,6 +436,8 @@ def test_grouped_kernel_matches_reference(per_expert_scale):
     fm.MosaicTiles(16, 256, 2, compute_wgs=2, pass_lanes=3, cluster=2),
     fm.MosaicTiles(16, 256, 2, tiles_per_block=2, pass_lanes=2, early_exit=True),  # empty blocks end at once
     fm.MosaicTiles(16, 256, 2, compute_wgs=2, pass_lanes=3, cluster=2, early_exit=True),
+    fm.MosaicTiles(16, 256, 2, tiles_per_block=2, compute_wgs=2, pass_lanes=2, ping_pong="issued"),  # chained items
+    fm.MosaicTiles(16, 256, 2, row_tiles=2, compute_wgs=2, ping_pong="done"),
   ):
     got = fm.grouped_fp4_matmul_mosaic(x, sizes, packed, tiles=tiles, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
