@@ -278,8 +278,6 @@ def test_kernel_matches_reference(m, tensor_amax):
     fm.MosaicTiles(bm, 256, 3, compute_wgs=2),  # slots that do not divide the 4 steps (one item per block)
     fm.MosaicTiles(bm, 512, 2, parts=4),  # a step in 4 wgmma groups, each part's decode overlapping the last one's MMAs
     fm.MosaicTiles(bm, 1024, 1, compute_wgs=2, parts=2),
-    fm.MosaicTiles(bm, 512, 2, compute_wgs=2, ping_pong="issued"),  # the warpgroups take turns at the MMAs
-    fm.MosaicTiles(bm, 256, 3, compute_wgs=2, ping_pong="done"),
   ):
     got = fm.fp4_matmul_mosaic(x, fm.pack_fragments(w), tiles=tiles, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
@@ -436,8 +434,6 @@ def test_grouped_kernel_matches_reference(per_expert_scale):
     fm.MosaicTiles(16, 256, 2, compute_wgs=2, pass_lanes=3, cluster=2),
     fm.MosaicTiles(16, 256, 2, tiles_per_block=2, pass_lanes=2, early_exit=True),  # empty blocks end at once
     fm.MosaicTiles(16, 256, 2, compute_wgs=2, pass_lanes=3, cluster=2, early_exit=True),
-    fm.MosaicTiles(16, 256, 2, tiles_per_block=2, compute_wgs=2, pass_lanes=2, ping_pong="issued"),  # chained items
-    fm.MosaicTiles(16, 256, 2, row_tiles=2, compute_wgs=2, ping_pong="done"),
   ):
     got = fm.grouped_fp4_matmul_mosaic(x, sizes, packed, tiles=tiles, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
@@ -449,6 +445,36 @@ def test_grouped_kernel_matches_reference(per_expert_scale):
   got = fm.grouped_fp4_matmul_mosaic(x, sizes, packed, tiles=tiles, out_dtype=jnp.float32)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
   assert np.all(np.asarray(got)[51:] == 0)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels need an sm_90 GPU (the layout is tested above)")
+def test_ping_pong_matches_reference():
+  """MosaicTiles.ping_pong (the two compute warpgroups take turns at the MMAs, by named barriers), dense and
+  grouped (chained items, two row tiles, pass lanes). A test of its own: a turn that never comes is a hang,
+  which pytest-timeout ends here without taking the other kernel tests with it."""
+  rng = np.random.default_rng(11)
+  n, k = 256, 1024
+  x = jnp.asarray(rng.standard_normal((8, k)), jnp.bfloat16)
+  w = fp4.quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32), "nvfp4", tensor_amax=jnp.float32(3))
+  want = dense.fp4_matmul_reference(x, w, out_dtype=jnp.float32)
+  for tiles in (
+    fm.MosaicTiles(16, 512, 2, compute_wgs=2, ping_pong="issued"),
+    fm.MosaicTiles(16, 256, 3, compute_wgs=2, ping_pong="done"),
+  ):
+    got = fm.fp4_matmul_mosaic(x, fm.pack_fragments(w), tiles=tiles, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
+  e, n, k = 6, 128, 512
+  w = _experts(rng, e, n, k, True)
+  sizes = jnp.asarray([3, 0, 40, 1, 0, 7], jnp.int32)
+  x = jnp.asarray(rng.standard_normal((56, k)), jnp.bfloat16)
+  want = grouped.grouped_fp4_matmul_reference(x, sizes, w, out_dtype=jnp.float32)
+  for tiles in (
+    fm.MosaicTiles(16, 256, 2, tiles_per_block=2, compute_wgs=2, pass_lanes=2, ping_pong="issued"),  # chained items
+    fm.MosaicTiles(16, 256, 2, row_tiles=2, compute_wgs=2, ping_pong="done"),
+  ):
+    got = fm.grouped_fp4_matmul_mosaic(x, sizes, fm.pack_fragments(w), tiles=tiles, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
+    assert np.all(np.asarray(got)[51:] == 0)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels need an sm_90 GPU (the layout is tested above)")
