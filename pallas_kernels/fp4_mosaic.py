@@ -466,7 +466,7 @@ def _decode_tile(width: int, tile: int = 0, first_group: int = 0, wg_groups: int
 
 # a named barrier of the compute warpgroups (Mosaic's warpgroup barriers take 1-4; 0 is the block's)
 REDUCE_BARRIER = 15
-# MosaicTiles.ping_pong: "warpgroup w's MMAs of this step are done", w = 0, 1 (named barriers of 256 threads)
+# MosaicTiles.ping_pong: "warpgroup w's turn at the MMAs has ended", w = 0, 1 (named barriers of 256 threads)
 TURN_BARRIERS = (13, 14)
 
 
