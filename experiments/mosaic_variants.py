@@ -164,8 +164,9 @@ E = 128
 # Run e (-04e-*): chaining more of an expert's units per block (tiles_per_block 4 -> 8, 12, 24 at gate_up; 4 -> 8,
 # 16 at down) took 101.0 -> 90.2, 86.6, 82.6 us and 56.5 -> 49.1, 45.6 us: a block's fixed cost paid less often.
 # That is the default now (`default_grouped_tiles`), with two pass lanes so that an expert whose rows take two
-# x tiles (13% of calls at 64 tokens, 30% at 256) does not double its one block's time. This run: the default,
-# and on group sizes where expert 0 has 17 rows (two passes) the default and one lane.
+# x tiles (13% of calls at 64 tokens, 30% at 256) does not double its one block's time (run f: 87.7 us against
+# 155.7 with one lane, expert 0 taking two). This run: the default with early exit and with turns, and a two-pass
+# expert early and late in the grid (blocks start in grid order).
 def two_pass_sizes(sizes, expert, block_m=16):
   """`sizes` (the same total) with `expert` given block_m + 1 rows from an 8-row boundary: two x tiles, the only
   expert with two. The boundary is made by taking rows from the largest groups before it, the total kept by the
