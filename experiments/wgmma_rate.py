@@ -2,10 +2,10 @@
 
 The Mosaic FP4 kernel (pallas_kernels/fp4_mosaic.py) puts 64 weight rows on the wgmma's M side and the tokens
 (block_m: 16 at decode) on its N side, so that one instruction covers 64 x 16 weights whatever the tokens. Its
-steady step (64 x 512 weights, 32 such instructions per SM) took 0.775 us on an H200, and 0.60 us with the decode
+steady step (64 x 512 weights, 32 such instructions per SM) took 0.775 us on an H200, and 0.585 us with the decode
 replaced by register moves (docs/gpu_check/h200-2026-12-04b-*, -04d-*). If a wgmma of N <= 64 costs an SM the
-same time as one of N = 64 (about 32 cycles at the bf16 peak), 32 of them take 0.52-0.56 us: the MMAs, not the
-bytes, would bound the step, and the kernel's floor would be that rate, whatever the decode.
+same time as one of N = 64 (32 cycles at the bf16 peak), 32 of them take 0.52-0.56 us (at 1.83-1.98 GHz): the
+MMAs, not the bytes, would bound the step, and the kernel's floor would be that rate, whatever the decode.
 
 `rate_kernel(n, ...)` measures it: one block per SM, each warpgroup looping `reps` times over one wgmma call of
 K = 256 (16 instructions) on its own accumulator, A from registers (as the FP4 kernel's decoded weights) or from
@@ -41,10 +41,10 @@ INSTRUCTIONS_PER_CALL = K_CALL // 16
 @functools.cache
 def rate_kernel(n: int, *, reps: int = REPS, wgs: int = 2, a_in_smem: bool = False, blocks: int = 132):
   """A jitted function of a float32 [1] scale returning f32 [n, blocks * wgs * 64] (the accumulators times the
-  scale, so that nothing is dead code): `blocks` blocks of `wgs` warpgroups, each issuing reps x 16 wgmma m64 x n x k16 (see the module
-  docstring). A register operand holds ones; the shared-memory operands (one for the block's warpgroups) are not
-  written (whatever is there):
-  the values do not change the tensor cores' time, and the sums are not looked at."""
+  scale, so that nothing is dead code): `blocks` blocks of `wgs` warpgroups, each issuing reps x 16 wgmma
+  m64 x n x k16 (see the module docstring). A register operand holds ones; the shared-memory operands (one for
+  the block's warpgroups) are not written: the values do not change the tensor cores' time, and the sums are
+  not looked at."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -108,7 +108,7 @@ def compiled(n: int, wgs: int, a_in_smem: bool) -> dict:
     rate_kernel(n, wgs=wgs, a_in_smem=a_in_smem), jax.ShapeDtypeStruct((1,), jnp.float32)
   )
   [kernel] = program.kernels.values()
-  shapes = sorted(set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", "\n".join(kernel.sass.splitlines()))))
+  shapes = sorted(set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", kernel.sass)))
   return dict(
     n=n, wgs=wgs, a_in_smem=a_in_smem, launches=len(program.launches), registers=kernel.resources.registers,
     spill_bytes=kernel.resources.spill_stores + kernel.resources.spill_loads,

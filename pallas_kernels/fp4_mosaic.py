@@ -66,12 +66,12 @@ for the Pallas-Triton kernel. The rollout engine runs it on Hopper (rollout.expe
 `unpack_fragments` inverts the packing, for the jnp reference.
 
 Measured on an H200 (jax 0.11.2, device time: docs/gpu_check/h200-2026-12-04b-* to -04f-*; README):
-every GPU test here passed in run c; in run f the grouped ones (pass lanes, four row tiles) passed again. K = N = 8192 at the default tiles: 15.9 us at M = 1, 16.0 at M = 8,
-22.9 at M = 64, against 33.8-40.3 us for XLA's bf16 dot (2.1x, 2.2x, 1.8x); at K = 32768, M = 8: 2.37x.
+every GPU test here passed in run c; in run f the grouped ones (pass lanes, four row tiles) passed again.
+K = N = 8192 at the default tiles: 15.9 us at M = 1, 16.0 at M = 8, 22.9 at M = 64, against 33.8-40.3 us for XLA's bf16 dot (2.1x, 2.2x, 1.8x); at K = 32768, M = 8: 2.37x.
 A block costs 3.5 us fixed and then 0.77 us per 512-wide step (3.0 TB/s of FP4 bytes over 128 SMs; the
 bf16 dot streams 4.4). More weight bytes in flight per SM (5 slots, or x tiles of 8 rows with 7) were no
-faster; with the decode replaced by register moves the call is a fifth faster (a step a quarter). Grouped, 64 tokens
-top-8 of 128 experts: 87.8 us (gate_up) and 53.4 us (down) at the default tiles, 2.35x and 2.78x our bf16
+faster; with the decode replaced by register moves the call is a fifth faster (a step a quarter). Grouped, 64
+tokens top-8 of 128 experts: 87.8 us (gate_up) and 53.4 us (down) at the default tiles, 2.35x and 2.78x our bf16
 Triton grouped kernel. `MosaicTiles.overlap` (the decode of a step overlapping the previous step's MMAs)
 gained up to 5% at block_m 16 with one warpgroup, and gave wrong sums elsewhere: it is refused there.
 
@@ -873,12 +873,11 @@ def grouped_fp4_matmul_mosaic(
 
   has_scale = w.tensor_scale is not None  # else no scale operand: XLA would make a kernel of the ones
 
-  def kernel(x_gmem, sizes_gmem, words_gmem, *scale_and_out):
-    expert, lane = jax.lax.axis_index("e"), jax.lax.axis_index("p")
+  def kernel(*refs):
     if not tiles.early_exit:
-      return work(x_gmem, sizes_gmem, words_gmem, *scale_and_out)
-    may_work = block_may_work(sizes_gmem[expert], num_experts, expert, lane, block_m)
-    pl.when(may_work)(lambda: work(x_gmem, sizes_gmem, words_gmem, *scale_and_out))
+      return work(*refs)
+    expert, lane, sizes_gmem = jax.lax.axis_index("e"), jax.lax.axis_index("p"), refs[1]
+    pl.when(block_may_work(sizes_gmem[expert], num_experts, expert, lane, block_m))(lambda: work(*refs))
 
   def work(x_gmem, sizes_gmem, words_gmem, *scale_and_out):
     *scale_gmem, out_gmem = scale_and_out

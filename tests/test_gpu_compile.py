@@ -262,9 +262,9 @@ def test_mosaic_fp4_ping_pong(rows):
   tensor cores, one's decode running while the other's MMAs do, by two named barriers. Its main loop is the
   default's (16 HGMMA per warpgroup per step, no spills, the registers within the pool) plus, per step, a
   warpgroup's wait for the other's turn and the end of its own (two predicated bar.sync, two bar.arrive)."""
-  row, default = rows["mosaic_fp4_ping_pong"], rows["mosaic_fp4_2wg"]
+  row, no_turns = rows["mosaic_fp4_ping_pong"], rows["mosaic_fp4_2wg"]  # another two-warpgroup kernel, no turns
   assert row["launch_names"] == ["kCustomCall"] and row["spill_bytes"] == 0 and row["loop_mmas"] == 16
-  assert row["loop_named_barriers"] == 4 and default["loop_named_barriers"] == 0
+  assert row["loop_named_barriers"] == 4 and no_turns["loop_named_barriers"] == 0
   assert row["loop_instructions"] <= 346 + 16  # the default's loop at this shape has 346 today
   assert set(row["setmaxnreg"]["dealloc"]) == {72} and set(row["setmaxnreg"]["alloc"]) == {216}
 
