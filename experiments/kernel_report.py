@@ -86,6 +86,7 @@ class Case:
   tensor_scale: bool = True  # nvfp4: a per-tensor scale besides the block scales
   early_exit: bool = False  # mosaic_fp4 grouped: MosaicTiles.early_exit
   ping_pong: str = ""  # mosaic_fp4: MosaicTiles.ping_pong
+  overlap: bool = False  # mosaic_fp4: MosaicTiles.overlap (with parts >= 2)
   label: str = ""
 
 
@@ -116,6 +117,8 @@ TEST_CASES = [
   Case("mosaic_fp4", 64 * 8, 1536, 2048, 128, 64, compute_wgs=0, early_exit=True, label="mosaic_grouped_early_exit"),
   # not the default: the two warpgroups take turns at the MMAs (MosaicTiles.ping_pong)
   Case("mosaic_fp4", 8, 8192, 8192, compute_wgs=2, ping_pong="issued", label="mosaic_fp4_ping_pong"),
+  # not the default: a step's last MMAs run on into the next step's first decode (MosaicTiles.overlap, two parts)
+  Case("mosaic_fp4", 8, 8192, 8192, compute_wgs=2, parts=2, overlap=True, label="mosaic_fp4_overlap"),
   Case("engine", 64, 2048, 768, experts=128, tokens=64, label="engine_step"),
 ]
 
@@ -299,7 +302,7 @@ def _mosaic_fp4_row(case: Case) -> dict:
   """fp4_mosaic's kernel: dense (experts = 0) or grouped, the weight packed as wgmma fragments."""
   w = jax.eval_shape(mosaic.pack_fragments, _weight(case))
   x = jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16)
-  options = dict(parts=case.parts, early_exit=case.early_exit, ping_pong=case.ping_pong)  # on top of the defaults
+  options = dict(parts=case.parts, early_exit=case.early_exit, ping_pong=case.ping_pong, overlap=case.overlap)
   fields = (("compute_wgs", case.compute_wgs), ("block_m", case.block_m), ("max_concurrent_steps", case.slots))
   options.update({k: v for k, v in fields if v})
   if case.experts:
@@ -351,6 +354,7 @@ def _row(case: Case, program, tiles, streamed: int, distinct: int, partial_bytes
     loop_top=kernel.loop_histogram(6),
     loads_before_exit=kernel.loads_before_exit(),
     loop_named_barriers=sum(op == "BAR" for op in kernel.loop),  # bar.sync / bar.arrive in the main loop
+    loop_inflight_writes=len(kernel.inflight_register_writes()),  # undefined in PTX: gpu_compile says why
     setmaxnreg=kernel.setmaxnreg(),
     instructions_per_weight=round(ipw, 2),
     within_budget=ipw <= BUDGET,
@@ -381,6 +385,7 @@ def markdown(rows: list[dict]) -> str:
     roof = r["roofline_us"]
     kind = r["kind"] + (f" ({t['compute_wgs']} warpgroups)" if t.get("compute_wgs", 1) > 1 else "")
     kind += f" ({t['parts']} parts)" if t.get("parts", 1) > 1 else ""
+    kind += " (overlap)" if r.get("overlap") else ""
     lines.append(
       f"| {kind} | {shape} | {'yes' if r['ptx_decode'] else 'no'} | {t['block_m']}, {t['block_n']}, {t['block_k']}, "
       f"{t['k_splits']}, {t.get('cluster', 1)} | {r['launches']} | {r['registers']} | {r['spill_bytes']} | "

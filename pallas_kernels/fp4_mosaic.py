@@ -59,6 +59,12 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     MMAs do (the compiled loop keeps them in distinct registers: `WARPGROUP.DEPBAR.LE gsb0, 0x1`
     between the parts). Unlike `overlap` it stays within a step, so that chained items (grouped
     blocks) can use it. 2 parts of 256: 2.52 instructions per weight.
+  * `MosaicTiles.overlap` carries the last part's MMAs into the next step (its slot is released a step
+    later), so that the next step's first decode runs while they do. It needs two parts or more: with
+    one, each step's decode writes the very registers that the previous step's MMAs, still in flight,
+    read. PTX leaves that undefined, and ptxas lets it happen (the HGMMA sets no scoreboard on its
+    registers): `gpu_compile.inflight_register_writes` finds 186-379 such writes in that loop and none
+    with two parts, and tests/test_gpu_compile.py holds every kernel here to none.
 
 experiments/kernel_report.py counts the compiled loop (pallas_kernels/gpu_compile.py compiles it
 for sm_90a without a GPU): 2.48-2.49 SASS instructions per weight, against 6.6
@@ -72,8 +78,9 @@ A block costs 3.5 us fixed and then 0.77 us per 512-wide step (3.0 TB/s of FP4 b
 bf16 dot streams 4.4). More weight bytes in flight per SM (5 slots, or x tiles of 8 rows with 7) were no
 faster; with the decode replaced by register moves the call is a fifth faster (a step a quarter). Grouped, 64
 tokens top-8 of 128 experts: 87.8 us (gate_up) and 53.4 us (down) at the default tiles, 2.35x and 2.78x our bf16
-Triton grouped kernel. `MosaicTiles.overlap` (the decode of a step overlapping the previous step's MMAs)
-gained up to 5% at block_m 16 with one warpgroup, and gave wrong sums elsewhere: it is refused there.
+Triton grouped kernel. `MosaicTiles.overlap` in one part (the form those runs timed, since refused) gained up
+to 5% at block_m 16 with one warpgroup, and gave wrong sums with two and NaN at block_m 64: the in-flight
+register writes above. Overlap in two parts has not run on a GPU yet.
 
 CPU: the kernel needs an sm_90 GPU (Mosaic GPU has no interpret mode for inline Mosaic code); the
 packing and a numpy emulation of the register decode (`decode_fragments_numpy`, instruction by
@@ -603,7 +610,8 @@ class MosaicTiles:
   cluster: int = 1  # blocks of consecutive 64-row tiles (one expert's) that share each x tile: TMA multicast
   tiles_per_block: int = 1  # row units (below) a block computes one after the other (chained pipelines)
   row_tiles: int = 1  # 64-row weight tiles each pipeline step decodes and multiplies by its one x tile (a row unit)
-  overlap: bool = False  # a step's decode overlaps the previous step's MMAs (its slot is released a step later)
+  overlap: bool = False  # a step's decode overlaps the previous step's MMAs (its slot is released a step later):
+  #                       needs parts >= 2, so that the registers a part decodes into are not those still in flight
   compute_wgs: int = 1  # consumer warpgroups per block, each 1 / compute_wgs of every step's K (summed at the end)
   parts: int = 1  # a warpgroup's K of a step is decoded and multiplied in this many parts, part p + 1's decode
   #                 overlapping part p's MMAs (one wgmma group each, at most two in flight)
@@ -809,12 +817,13 @@ def grouped_fp4_matmul_mosaic(
       "grouped_fp4_matmul_mosaic: tiles.overlap needs one item per block (tiles_per_block = 1, row_tiles = 1, "
       f"M <= block_m; got {tiles}, M = {m}): Pallas' chained pipelines do not take delay_release."
     )
-  if tiles.overlap and (tiles.compute_wgs > 1 or tiles.block_m != 16):
+  if tiles.overlap and tiles.parts < 2:
     raise ValueError(
-      f"grouped_fp4_matmul_mosaic: tiles.overlap with compute_wgs = {tiles.compute_wgs}, block_m = {tiles.block_m}: "
-      "overlap is right only with one compute warpgroup and block_m = 16 (on an H200 it gave wrong sums with two "
-      "warpgroups, and NaN at block_m = 64, block_k = 512: docs/gpu_check/h200-2026-12-04b-gpu_check.json); "
-      "use compute_wgs=1, block_m=16, or overlap=False."
+      f"grouped_fp4_matmul_mosaic: tiles.overlap with parts = {tiles.parts}: overlap needs parts >= 2. With one part "
+      "a step's decode rewrites the registers that the previous step's MMAs, still in flight, read (undefined in "
+      "PTX; on an H200 it gave wrong sums with two warpgroups and NaN at block_m = 64: "
+      "docs/gpu_check/h200-2026-12-04b-gpu_check.json); with two or more the next step's first part writes "
+      "registers whose MMAs are done (gpu_compile.inflight_register_writes). Use parts=2 or overlap=False."
     )
   if tiles.compute_wgs not in (1, 2) or tiles.block_k % (SCALE_GROUP_K * tiles.compute_wgs):
     raise ValueError(
@@ -915,9 +924,7 @@ def grouped_fp4_matmul_mosaic(
       if parts == 1:
         for decode_tile, acc_ref in zip(decode[0], accs):  # one x tile for the unit's row tiles
           plgpu.wgmma(acc_ref, decode_tile(words_smem), plgpu.transpose_ref(x_smem, (1, 0)))
-          # the decoded registers are free again once their MMAs are done: now, or (overlap) after the next
-          # step's decode, when the pipeline releases this step's slot (delay_release=1)
-          plgpu.wgmma_wait(1 if tiles.overlap else 0)
+          plgpu.wgmma_wait(0)  # the decoded registers are free again (overlap needs parts > 1: they would not be)
         return accs
       for p in range(parts):  # part p + 1 decodes while part p's MMAs run: at most two wgmma groups in flight
         x_part = plgpu.transpose_ref(x_smem.at[:, p * part_k : (p + 1) * part_k], (1, 0))

@@ -43,6 +43,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from typing import NamedTuple
 
 import jax
 
@@ -143,12 +144,19 @@ def parse_ptxas(log: str) -> Resources:
   return Resources(int(regs.group(1)), int(stack.group(2)), int(stack.group(3)), int(stack.group(1)))
 
 
-_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T\d]\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?\s*(.*?);")
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T\d]\s+)?([A-Z][A-Z0-9_]*)(\.[A-Za-z0-9_.]+)?\s*(.*?);")
 _LABEL = re.compile(r"^(\.L\w+):")
 
 
-def sass_instructions(sass: str) -> list[tuple[str, str, str]]:
-  """(label or '', opcode, operands) for each instruction of `nvdisasm -c` output; a label line
+class Instruction(NamedTuple):
+  label: str  # the label on the line before, or ''
+  opcode: str  # HGMMA
+  modifiers: str  # .64x16x16.F32.BF16
+  operands: str  # R24, R32, gdesc[UR8], R24
+
+
+def sass_instructions(sass: str) -> list[Instruction]:
+  """One Instruction per instruction of `nvdisasm -c` output (a predicate guard is dropped); a label line
   attaches to the instruction after it."""
   out, label = [], ""
   for line in sass.splitlines():
@@ -156,9 +164,27 @@ def sass_instructions(sass: str) -> list[tuple[str, str, str]]:
       label = m.group(1)
       continue
     if m := _SASS_LINE.match(line):
-      out.append((label, m.group(1), m.group(3)))
+      out.append(Instruction(label, m.group(1), m.group(2) or "", m.group(3)))
       label = ""
   return out
+
+
+def _main_loop_span(instructions: list[Instruction]) -> tuple[int, int]:
+  """(first, last) index of the main loop: of the loops (a label to a backward branch to it) that issue
+  the most MMAs, the shortest. Raises if no loop holds an MMA."""
+  starts = {ins.label: i for i, ins in enumerate(instructions) if ins.label}
+  best = None  # (-mmas, length, start, end)
+  for end, ins in enumerate(instructions):
+    target = re.search(r"`\((\.L\w+)\)", ins.operands) if ins.opcode == "BRA" else None
+    if not target or starts.get(target.group(1), end + 1) > end:
+      continue
+    start = starts[target.group(1)]
+    mmas = sum(i.opcode in MMA_OPCODES for i in instructions[start : end + 1])
+    if mmas and (best is None or (-mmas, end - start) < best[:2]):
+      best = (-mmas, end - start, start, end)
+  if best is None:
+    raise ValueError("no loop with an MMA instruction in this SASS (one K tile: the K loop is unrolled away)")
+  return best[2], best[3]
 
 
 def main_loop(sass: str) -> list[str]:
@@ -168,19 +194,54 @@ def main_loop(sass: str) -> list[str]:
   after the function's end, branch back into its middle: both span the K loop's MMAs and more.
   Raises if no loop holds an MMA."""
   instructions = sass_instructions(sass)
-  starts = {label: i for i, (label, _, _) in enumerate(instructions) if label}
-  best = None  # (-mmas, length, start, end)
-  for end, (_, opcode, operands) in enumerate(instructions):
-    target = re.search(r"`\((\.L\w+)\)", operands) if opcode == "BRA" else None
-    if not target or starts.get(target.group(1), end + 1) > end:
-      continue
-    start = starts[target.group(1)]
-    mmas = sum(op in MMA_OPCODES for _, op, _ in instructions[start : end + 1])
-    if mmas and (best is None or (-mmas, end - start) < best[:2]):
-      best = (-mmas, end - start, start, end)
-  if best is None:
-    raise ValueError("no loop with an MMA instruction in this SASS (one K tile: the K loop is unrolled away)")
-  return [op for _, op, _ in instructions[best[2] : best[3] + 1]]
+  start, end = _main_loop_span(instructions)
+  return [ins.opcode for ins in instructions[start : end + 1]]
+
+
+def _written(ins: Instruction) -> set[int]:
+  """The R registers an instruction writes: its first operand where that is a register (a store's first
+  operand is an address, a branch's a label), widened for 64- and 128-bit loads and .WIDE results."""
+  dest = re.match(r"R(\d+)\b", ins.operands)
+  if not dest or ins.opcode in ("HGMMA", "ST", "STS", "STG", "STL", "RED", "ATOM", "ATOMS", "BAR", "SYNCS"):
+    return set()
+  width = re.search(r"\.(64|128)\b", ins.modifiers) if ins.opcode.startswith("LD") else None
+  n = int(width.group(1)) // 32 if width else 2 if ".WIDE" in ins.modifiers else 1
+  return set(range(int(dest.group(1)), int(dest.group(1)) + n))
+
+
+def _hgmma_registers(ins: Instruction) -> set[int]:
+  """The registers an HGMMA keeps reading or writing until its group is waited for: its accumulators
+  (64 x N f32 over 128 threads: N / 2 registers) and, where A comes from registers, A's fragment (4)."""
+  n = int(re.match(r"\.64x(\d+)x", ins.modifiers).group(1))
+  d, a = (x.strip() for x in ins.operands.split(",")[:2])
+  regs = set(range(int(d[1:]), int(d[1:]) + n // 2))
+  return regs | (set(range(int(a[1:]), int(a[1:]) + 4)) if a.startswith("R") else set())
+
+
+def inflight_register_writes(sass: str) -> list[Instruction]:
+  """Main-loop instructions that write a register an HGMMA still in flight reads or writes: its A fragment or
+  its accumulators, before a WARPGROUP.DEPBAR has waited for its group. PTX says that is undefined
+  (wgmma.mma_async: "accessing the accumulator register or the input register containing fragments of matrix
+  A ... without first performing a wgmma.wait_group ... that waits on a wgmma-group including that
+  wgmma.mma_async instruction"), and in SASS nothing holds the write back: the HGMMA sets no scoreboard on its
+  registers. The loop is walked twice, so that a group left in flight at the back branch meets the next
+  trip's writes; a group ends at the HGMMA marked gsb0 (wgmma.commit_group), and DEPBAR.LE gsb0, N keeps the
+  last N groups in flight."""
+  instructions = sass_instructions(sass)
+  start, end = _main_loop_span(instructions)
+  groups, open_group, out = [], set(), []
+  for trip in range(2):
+    for ins in instructions[start : end + 1]:
+      if ins.opcode == "HGMMA":
+        open_group |= _hgmma_registers(ins)
+        if "gsb0" in ins.operands:
+          groups, open_group = [*groups, open_group], set()
+      elif ins.opcode == "WARPGROUP" and ins.modifiers.startswith(".DEPBAR"):
+        keep = int(re.search(r"0x([0-9a-f]+)", ins.operands).group(1), 16)
+        groups = groups[len(groups) - keep :] if keep else []
+      elif trip and _written(ins) & set().union(open_group, *groups):
+        out.append(ins)
+  return out
 
 
 # --- compiling ----------------------------------------------------------------------------------
@@ -201,8 +262,12 @@ class KernelSass:
   def loads_before_exit(self) -> int | None:
     """Global loads (LDG) in the SASS before its first EXIT (None without one): what a block that ends early
     waits for (a grouped Mosaic block reads its group sizes)."""
-    ops = [op for _, op, _ in sass_instructions(self.sass)]
+    ops = [ins.opcode for ins in sass_instructions(self.sass)]
     return ops[: ops.index("EXIT")].count("LDG") if "EXIT" in ops else None
+
+  def inflight_register_writes(self) -> list[Instruction]:
+    """Main-loop writes to registers that an HGMMA in flight still uses (`inflight_register_writes`)."""
+    return inflight_register_writes(self.sass)
 
   def setmaxnreg(self) -> dict[str, list[int]]:
     """The registers per thread that warp-specialized warpgroups give back ("dealloc": the producer) and

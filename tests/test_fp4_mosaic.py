@@ -268,12 +268,13 @@ def test_kernel_matches_reference(m, tensor_amax):
   w = fp4.quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32), "nvfp4", tensor_amax=amax)
   want = dense.fp4_matmul_reference(x, w, out_dtype=jnp.float32)
   bm = 16 if m <= 16 else 64
-  # overlap: a step's decode runs while the previous step's MMAs do; compute_wgs: two warpgroups, each half
-  # of every step's K, their sums added at the end
+  # overlap: a step's first decode runs while the previous step's last MMAs do (in two parts or more);
+  # compute_wgs: two warpgroups, each half of every step's K, their sums added at the end
   for tiles in (
     None,  # two compute warpgroups at block_k 512 (default_tiles)
     fm.MosaicTiles(bm, 512, 2),  # one
-    *([fm.MosaicTiles(bm, 256, 4, overlap=True)] if bm == 16 else []),  # overlap: block_m 16, one warpgroup only
+    fm.MosaicTiles(bm, 256, 4, parts=2, overlap=True),
+    fm.MosaicTiles(bm, 512, 4, compute_wgs=2, parts=2, overlap=True),  # (in one part: wrong sums, now refused)
     *([fm.MosaicTiles(8, 256, 3, compute_wgs=2), fm.MosaicTiles(8, 512, 1)] if m <= 8 else []),  # wgmma N = 8
     fm.MosaicTiles(bm, 256, 3, compute_wgs=2),  # slots that do not divide the 4 steps (one item per block)
     fm.MosaicTiles(bm, 512, 2, parts=4),  # a step in 4 wgmma groups, each part's decode overlapping the last one's MMAs
@@ -395,8 +396,10 @@ def test_grouped_kernel_rejects_bad_calls():
     fm.grouped_fp4_matmul_mosaic(
       jnp.ones((24, 256), jnp.bfloat16), jnp.array([24, 0]), w2, tiles=fm.MosaicTiles(16, 128, 3)
     )
-  with pytest.raises(ValueError, match="overlap is right only with one compute warpgroup and block_m = 16"):
-    fm.grouped_fp4_matmul_mosaic(x, jnp.array([4, 0]), w, tiles=fm.MosaicTiles(32, 128, 1, overlap=True))
+  with pytest.raises(ValueError, match="overlap with parts = 1: overlap needs parts >= 2"):
+    fm.grouped_fp4_matmul_mosaic(
+      jnp.ones((4, 256), jnp.bfloat16), jnp.array([4, 0]), w2, tiles=fm.MosaicTiles(16, 256, 1, overlap=True)
+    )
   with pytest.raises(
     ValueError, match="compute_wgs = 2 must be 1 or 2, each taking a multiple of 128 of the block_k = 128"
   ):
