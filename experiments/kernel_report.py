@@ -355,6 +355,7 @@ def _row(case: Case, program, tiles, streamed: int, distinct: int, partial_bytes
     loads_before_exit=kernel.loads_before_exit(),
     loop_named_barriers=sum(op == "BAR" for op in kernel.loop),  # bar.sync / bar.arrive in the main loop
     loop_inflight_writes=len(kernel.inflight_register_writes()),  # undefined in PTX: gpu_compile says why
+    loop_wgmma_waits=kernel.wgmma_waits(),  # the wgmma groups each wait in the loop leaves in flight
     setmaxnreg=kernel.setmaxnreg(),
     instructions_per_weight=round(ipw, 2),
     within_budget=ipw <= BUDGET,

@@ -12,22 +12,23 @@ costs; the second is what a kernel change moves. GB/s are from device_us where t
 
 In this order (BUDGET_S, default 270, stops it early): a dense call, M = 8, K = N = 8192: XLA's bf16 dot, the
 default tiles, the same with the two compute warpgroups taking turns at the MMAs (`ping_pong` "issued" and
-"done"), with a step's last MMAs running into the next step's decode (`overlap`, two parts), without the decode, and without decode and MMAs; grouped, 64 tokens top-8 of 128 experts, gate_up
-[1536, 2048] and down [2048, 768]: the default tiles (one block per expert and pass lane, its row units
-chained), with `early_exit` (a block without work ends after one load), with turns, and the Triton kernel of
-the same family on bf16 weights (`grouped_bf16_matmul`); the tensor cores' rate at the kernel's MMA shape
-(experiments/wgmma_rate.py: ns per wgmma m64 x N x k16 per SM, N = 8..256); gate_up where expert 0, then expert
-120, takes two x tiles (an early and a late block in the grid); 256 tokens, with early exit and with one lane;
-M = 8, K = 32768, the same rows as at 8192 (a block's fixed cost and its steady rate). Every call reads its own
-weight copy (more than the 50 MB L2 in all). A variant whose sums are off the reference (`err` above MAX_ERR)
+"done"), with a step's last MMAs running into the next step's decode (`overlap`, two parts), without the
+decode, and without decode and MMAs; grouped, 64 tokens top-8 of 128 experts, gate_up [1536, 2048] and down
+[2048, 768]: the default tiles (one block per expert and pass lane, its row units chained), with `early_exit`
+(a block without work ends after one load), with turns, and the Triton kernel of the same family on bf16
+weights (`grouped_bf16_matmul`); the tensor cores' rate at the kernel's MMA shape (experiments/wgmma_rate.py:
+ns per wgmma m64 x N x k16 per SM, N = 8..256); gate_up where expert 0, then expert 120, takes two x tiles (an
+early and a late block in the grid); 256 tokens, with early exit and with one lane; M = 8, K = 32768, the same
+rows as at 8192 (a block's fixed cost and its steady rate). Every call reads its own weight copy (more than
+the 50 MB L2 in all). A variant whose sums are off the reference (`err` above MAX_ERR)
 gets an "error" too: the stage fails.
 
 A row that runs past ROW_S (a kernel that hangs) ends the process; rerun with RESUME=1 to keep the rows so
 far, record that one as hung and go on (gpu_check does). Earlier runs, docs/gpu_check/h200-2026-12-04*:
   (none) wall clock only; x multicast to a cluster slower everywhere.
   b, c   device time: two compute warpgroups faster than one at every shape; `parts`, `overlap` in one part
-         (wrong sums with two warpgroups, NaN at block_m 64: registers written while in flight, since refused); the decode replaced by register moves: 13.1 us at M = 8
-         against 16.5; 8 slots of block_k 256: slower; XLA's `lax.ragged_dot` 5.3x and 4.6x slower than
+         (wrong sums with two warpgroups, NaN at block_m 64: it writes registers in flight, since refused);
+         the decode replaced by register moves: 13.1 us at M = 8 against 16.5; 8 slots of block_k 256: slower; XLA's `lax.ragged_dot` 5.3x and 4.6x slower than
          the kernel at 64 tokens.
   d      more weight bytes in flight per SM (5 slots; x tiles of 8 rows with 4, 7, 14 slots): none faster;
          K = 32768: 3.0 TB/s steady, 3.5 us fixed per block; a wide weight (N = 28672) and M = 1.

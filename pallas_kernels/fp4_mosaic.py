@@ -62,9 +62,9 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
   * `MosaicTiles.overlap` carries the last part's MMAs into the next step (its slot is released a step
     later), so that the next step's first decode runs while they do. It needs two parts or more: with
     one, each step's decode writes the very registers that the previous step's MMAs, still in flight,
-    read. PTX leaves that undefined, and ptxas lets it happen (the HGMMA sets no scoreboard on its
-    registers): `gpu_compile.inflight_register_writes` finds 186-379 such writes in that loop and none
-    with two parts, and tests/test_gpu_compile.py holds every kernel here to none.
+    read. PTX leaves that undefined, and ptxas lets it happen (the HGMMA takes no read or write barrier
+    on its registers): `gpu_compile.inflight_register_writes` finds 93-379 such writes in that loop (by
+    shape and tiles) and none with two parts, and tests/test_gpu_compile.py holds every kernel here to none.
 
 experiments/kernel_report.py counts the compiled loop (pallas_kernels/gpu_compile.py compiles it
 for sm_90a without a GPU): 2.48-2.49 SASS instructions per weight, against 6.6
@@ -73,14 +73,16 @@ for the Pallas-Triton kernel. The rollout engine runs it on Hopper (rollout.expe
 
 Measured on an H200 (jax 0.11.2, device time: docs/gpu_check/h200-2026-12-04b-* to -04f-*; README):
 every GPU test here passed in run c; in run f the grouped ones (pass lanes, four row tiles) passed again.
-K = N = 8192 at the default tiles: 15.9 us at M = 1, 16.0 at M = 8, 22.9 at M = 64, against 33.8-40.3 us for XLA's bf16 dot (2.1x, 2.2x, 1.8x); at K = 32768, M = 8: 2.37x.
+K = N = 8192 at the default tiles: 15.9 us at M = 1, 16.0 at M = 8, 22.9 at M = 64, against 33.8-40.3 us for
+XLA's bf16 dot (2.1x, 2.2x, 1.8x); at K = 32768, M = 8: 2.37x.
 A block costs 3.5 us fixed and then 0.77 us per 512-wide step (3.0 TB/s of FP4 bytes over 128 SMs; the
 bf16 dot streams 4.4). More weight bytes in flight per SM (5 slots, or x tiles of 8 rows with 7) were no
 faster; with the decode replaced by register moves the call is a fifth faster (a step a quarter). Grouped, 64
 tokens top-8 of 128 experts: 87.8 us (gate_up) and 53.4 us (down) at the default tiles, 2.35x and 2.78x our bf16
 Triton grouped kernel. `MosaicTiles.overlap` in one part (the form those runs timed, since refused) gained up
-to 5% at block_m 16 with one warpgroup, and gave wrong sums with two and NaN at block_m 64: the in-flight
-register writes above. Overlap in two parts has not run on a GPU yet.
+to 5% at block_m 16 with one warpgroup, and gave wrong sums with two and NaN at block_m 64, which the in-flight
+register writes above explain. Overlap in two parts has not run on a GPU yet: it will say whether they were the
+cause.
 
 CPU: the kernel needs an sm_90 GPU (Mosaic GPU has no interpret mode for inline Mosaic code); the
 packing and a numpy emulation of the register decode (`decode_fragments_numpy`, instruction by

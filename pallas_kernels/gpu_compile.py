@@ -199,23 +199,35 @@ def main_loop(sass: str) -> list[str]:
 
 
 def _written(ins: Instruction) -> set[int]:
-  """The R registers an instruction writes: its first operand where that is a register (a store's first
-  operand is an address, a branch's a label), widened for 64- and 128-bit loads and .WIDE results."""
-  dest = re.match(r"R(\d+)\b", ins.operands)
-  if not dest or ins.opcode in ("HGMMA", "ST", "STS", "STG", "STL", "RED", "ATOM", "ATOMS", "BAR", "SYNCS"):
+  """The R registers an instruction writes: its first operand where that is a register (a store's or a
+  reduction's first operand is an address, a branch's a label, a compare's a predicate: none), after the
+  predicate that SHFL and ATOM write first. Widths: 64- and 128-bit loads, .WIDE results, CS2R (not .32) and
+  double-precision results take 2 or 4 registers; anything else one. HGMMA's own accumulator writes are
+  ordered with the other HGMMAs of the same shape: not counted."""
+  operands = [op.strip() for op in ins.operands.split(",")]
+  if ins.opcode in ("SHFL", "ATOM", "ATOMG", "ATOMS") and re.fullmatch(r"U?P(T|\d+)", operands[0]):
+    operands = operands[1:]
+  dest = re.fullmatch(r"R(\d+)", operands[0]) if operands else None
+  if not dest or ins.opcode == "HGMMA":
     return set()
   width = re.search(r"\.(64|128)\b", ins.modifiers) if ins.opcode.startswith("LD") else None
-  n = int(width.group(1)) // 32 if width else 2 if ".WIDE" in ins.modifiers else 1
+  if width:
+    n = int(width.group(1)) // 32
+  else:
+    pair = ".WIDE" in ins.modifiers or (ins.opcode == "CS2R" and ".32" not in ins.modifiers)
+    n = 2 if pair or ins.opcode in ("DADD", "DMUL", "DFMA", "DMNMX") else 1
   return set(range(int(dest.group(1)), int(dest.group(1)) + n))
 
 
 def _hgmma_registers(ins: Instruction) -> set[int]:
   """The registers an HGMMA keeps reading or writing until its group is waited for: its accumulators
-  (64 x N f32 over 128 threads: N / 2 registers) and, where A comes from registers, A's fragment (4)."""
-  n = int(re.match(r"\.64x(\d+)x", ins.modifiers).group(1))
+  (64 x N over 128 threads: N / 2 registers of f32, N / 4 of f16 pairs) and, where A comes from registers,
+  A's fragment (64 x 16 16-bit values: 4)."""
+  shape = re.match(r"\.64x(\d+)x\d+\.(\w+)", ins.modifiers)
+  n = int(shape.group(1)) // (4 if shape.group(2) == "F16" else 2)
   d, a = (x.strip() for x in ins.operands.split(",")[:2])
-  regs = set(range(int(d[1:]), int(d[1:]) + n // 2))
-  return regs | (set(range(int(a[1:]), int(a[1:]) + 4)) if a.startswith("R") else set())
+  regs = set(range(int(d[1:]), int(d[1:]) + n))
+  return regs | (set(range(int(a[1:]), int(a[1:]) + 4)) if re.fullmatch(r"R\d+", a) else set())
 
 
 def inflight_register_writes(sass: str) -> list[Instruction]:
@@ -223,10 +235,12 @@ def inflight_register_writes(sass: str) -> list[Instruction]:
   its accumulators, before a WARPGROUP.DEPBAR has waited for its group. PTX says that is undefined
   (wgmma.mma_async: "accessing the accumulator register or the input register containing fragments of matrix
   A ... without first performing a wgmma.wait_group ... that waits on a wgmma-group including that
-  wgmma.mma_async instruction"), and in SASS nothing holds the write back: the HGMMA sets no scoreboard on its
-  registers. The loop is walked twice, so that a group left in flight at the back branch meets the next
-  trip's writes; a group ends at the HGMMA marked gsb0 (wgmma.commit_group), and DEPBAR.LE gsb0, N keeps the
-  last N groups in flight."""
+  wgmma.mma_async instruction"), and the SASS does not hold such a write back: the HGMMA takes no read or
+  write barrier on its registers, only the group scoreboard (gsb0) that DEPBAR waits on (control bits as
+  decoded outside NVIDIA; it documents no SASS encoding). The loop is walked twice, so that a group left in
+  flight at the back branch meets the next trip's writes; a group ends at the HGMMA marked gsb0
+  (wgmma.commit_group), and DEPBAR.LE gsb0, N keeps the last N groups in flight. Not checked: reads of
+  in-flight accumulators, and code outside the main loop."""
   instructions = sass_instructions(sass)
   start, end = _main_loop_span(instructions)
   groups, open_group, out = [], set(), []
@@ -238,10 +252,21 @@ def inflight_register_writes(sass: str) -> list[Instruction]:
           groups, open_group = [*groups, open_group], set()
       elif ins.opcode == "WARPGROUP" and ins.modifiers.startswith(".DEPBAR"):
         keep = int(re.search(r"0x([0-9a-f]+)", ins.operands).group(1), 16)
-        groups = groups[len(groups) - keep :] if keep else []
+        groups = groups[-keep:] if keep else []
       elif trip and _written(ins) & set().union(open_group, *groups):
         out.append(ins)
   return out
+
+
+def wgmma_waits(sass: str) -> list[int]:
+  """The wgmma groups each WARPGROUP.DEPBAR of the main loop leaves in flight (wgmma.wait_group N), in order."""
+  instructions = sass_instructions(sass)
+  start, end = _main_loop_span(instructions)
+  return [
+    int(re.search(r"0x([0-9a-f]+)", ins.operands).group(1), 16)
+    for ins in instructions[start : end + 1]
+    if ins.opcode == "WARPGROUP" and ins.modifiers.startswith(".DEPBAR")
+  ]
 
 
 # --- compiling ----------------------------------------------------------------------------------
@@ -268,6 +293,10 @@ class KernelSass:
   def inflight_register_writes(self) -> list[Instruction]:
     """Main-loop writes to registers that an HGMMA in flight still uses (`inflight_register_writes`)."""
     return inflight_register_writes(self.sass)
+
+  def wgmma_waits(self) -> list[int]:
+    """The wgmma groups each wait of the main loop leaves in flight (`wgmma_waits`)."""
+    return wgmma_waits(self.sass)
 
   def setmaxnreg(self) -> dict[str, list[int]]:
     """The registers per thread that warp-specialized warpgroups give back ("dealloc": the producer) and

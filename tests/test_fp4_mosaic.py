@@ -288,7 +288,8 @@ def test_kernel_matches_reference(m, tensor_amax):
 @pytest.mark.parametrize("m", [1, 8])
 def test_kernel_many_slots(m):
   # mosaic_variants' candidates for more weight bytes in flight: one item per block, so the slots need
-  # not divide K's steps (K = 4096: 8 steps of 512, 16 of 256); x tiles of 16 or 8 rows
+  # not divide K's steps (K = 4096: 8 steps of 512, 16 of 256); x tiles of 16 or 8 rows. And overlap in two
+  # parts as mosaic_variants times it, its MMAs carried across 7 step boundaries with every slot reused.
   rng = np.random.default_rng(m)
   n, k = 128, 4096
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -298,6 +299,7 @@ def test_kernel_many_slots(m):
     fm.MosaicTiles(16, 512, 5, compute_wgs=2),
     fm.MosaicTiles(8, 512, 7, compute_wgs=2),
     fm.MosaicTiles(8, 256, 14, compute_wgs=2),
+    fm.MosaicTiles(16, 512, 4, compute_wgs=2, parts=2, overlap=True),
   ):
     got = fm.fp4_matmul_mosaic(x, fm.pack_fragments(w), tiles=tiles, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))

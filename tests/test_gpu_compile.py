@@ -87,40 +87,66 @@ def test_main_loop_is_the_loop_with_the_mma():
   assert gpu_compile.main_loop(MOSAIC_SASS) == ["LDS", "SYNCS", "BRA", "HGMMA", "BRA"]
 
 
-# A decode loop in the shape of fp4_mosaic's (a load, a decode into A's registers, the HGMMA, a wait); WAIT is
-# how many wgmma groups the wait leaves in flight across the back branch.
+# A decode loop in the shape of fp4_mosaic's (a load, a decode into A's registers, two HGMMAs in one wgmma group,
+# a wait); WAIT is how many wgmma groups the wait leaves in flight across the back branch.
 INFLIGHT_SASS = """\
 .L_x_4:
         /*0000*/                   LDS.128 R8, [R3] ;
         /*0010*/                   HMUL2.BF16_V2 R33, R8, R12.H0_H0 ;
         /*0020*/                   STS [R32], R8 ;
         /*0030*/                   WARPGROUP.ARRIVE ;
-        /*0040*/                   HGMMA.64x16x16.F32.BF16 R24, R32, gdesc[UR8], R24, gsb0 ;
-        /*0050*/                   WARPGROUP.DEPBAR.LE gsb0, WAIT ;
-        /*0060*/               @P0 BRA `(.L_x_4) ;
-        /*0070*/                   EXIT ;
+        /*0040*/                   HGMMA.64x16x16.F32.BF16 R24, R32, gdesc[UR8], R24 ;
+        /*0050*/                   HGMMA.64x16x16.F32.BF16 R24, R36, gdesc[UR8], R24, gsb0 ;
+        /*0060*/                   WARPGROUP.DEPBAR.LE gsb0, WAIT ;
+        /*0070*/               @P0 BRA `(.L_x_4) ;
+        /*0080*/                   EXIT ;
 """
+
+
+def _hits(sass: str) -> list[tuple[str, str]]:
+  return [(i.opcode, i.operands.split(",")[0]) for i in gpu_compile.inflight_register_writes(sass)]
 
 
 def test_inflight_register_writes():
   """A write to a register that an HGMMA in flight reads (A's fragment, 4 registers) or writes (its accumulators,
-  N / 2 registers) is found where a wait leaves the group in flight into the next trip (fp4_mosaic's overlap in one
-  part did that), and not where the wait is for all groups, nor where A comes from shared memory."""
-  ok = INFLIGHT_SASS.replace("WAIT", "0x0")
-  assert gpu_compile.inflight_register_writes(ok) == []
-  [hit] = gpu_compile.inflight_register_writes(INFLIGHT_SASS.replace("WAIT", "0x1"))  # R33: A is R32-R35
-  assert (hit.opcode, hit.operands.split(",")[0]) == ("HMUL2", "R33")
-  assert gpu_compile.inflight_register_writes(ok.replace("0x0", "0x1").replace("R32, gdesc", "gdesc[UR4], gdesc")) == []
-  # a 128-bit load writes 4 registers: R30 to R33 reach A's R32; R28-R31 are the accumulators' R24-R31
-  wide = INFLIGHT_SASS.replace("WAIT", "0x1").replace("HMUL2.BF16_V2 R33", "HMUL2.BF16_V2 R40")
-  assert [i.opcode for i in gpu_compile.inflight_register_writes(wide.replace("LDS.128 R8", "LDS.128 R30"))] == ["LDS"]
-  assert [i.opcode for i in gpu_compile.inflight_register_writes(wide.replace("LDS.128 R8", "LDS R28"))] == ["LDS"]
-  assert gpu_compile.inflight_register_writes(wide.replace("LDS.128 R8", "LDS R20")) == []
-  # an accumulator written before the MMAs issue is not a hazard; between their issue and the wait it is
-  add = "                   IADD3 R26, R1, 0x1, RZ ;\n        /*"
-  assert gpu_compile.inflight_register_writes(ok.replace("/*0030*/", "/*002c*/" + add + "0030*/")) == []
-  [hit] = gpu_compile.inflight_register_writes(ok.replace("/*0050*/", "/*004c*/" + add + "0050*/"))
-  assert hit.operands.startswith("R26")
+  N / 2 registers of f32) is found where a wait leaves the group in flight into the next trip (fp4_mosaic's overlap
+  in one part did that), and not where the wait is for all groups, nor where A comes from shared memory."""
+  ok, carried = INFLIGHT_SASS.replace("WAIT", "0x0"), INFLIGHT_SASS.replace("WAIT", "0x1")
+  assert _hits(ok) == [] and gpu_compile.wgmma_waits(ok) == [0]
+  assert _hits(carried) == [("HMUL2", "R33")] and gpu_compile.wgmma_waits(carried) == [1]  # A is R32-R35
+  # A from shared memory (as nvdisasm prints it: one descriptor, then C): no A registers in flight
+  smem_a = carried.replace("R32, gdesc[UR8], R24 ;", "gdesc[UR4], RZ, !UPT ;")
+  assert _hits(smem_a) == []
+  # widths: a 128-bit load writes 4 registers (R22-R25 reach the accumulators R24-R31), .WIDE 2, CS2R 2
+  moved = carried.replace("HMUL2.BF16_V2 R33", "HMUL2.BF16_V2 R40")
+  assert _hits(moved.replace("LDS.128 R8", "LDS.128 R22")) == [("LDS", "R22")]
+  assert _hits(moved.replace("LDS.128 R8", "LDS R22")) == []
+  assert _hits(moved.replace("LDS.128 R8, [R3]", "IMAD.WIDE.U32 R23, R3, 0x4, RZ")) == [("IMAD", "R23")]
+  assert _hits(moved.replace("LDS.128 R8, [R3]", "CS2R R22, SRZ")) == []
+  assert _hits(moved.replace("LDS.128 R8, [R3]", "CS2R R23, SRZ")) == [("CS2R", "R23")]
+  # SHFL writes a predicate, then a register; a compare only predicates
+  assert _hits(moved.replace("LDS.128 R8, [R3]", "SHFL.IDX PT, R34, R1, R2, R3")) == [("SHFL", "PT")]
+  assert _hits(moved.replace("LDS.128 R8, [R3]", "ISETP.GE.AND P0, PT, R34, R1, PT")) == []
+  # the group ends at the HGMMA marked gsb0: an A register of the first HGMMA written between the two is a hit,
+  # with any wait; an accumulator written before the group's issue is not, between issue and wait it is
+  between = "                   IADD3 R26, R1, 0x1, RZ ;\n        /*"
+  assert _hits(ok.replace("/*0050*/", "/*004c*/" + between + "0050*/")) == [("IADD3", "R26")]
+  assert _hits(ok.replace("/*0030*/", "/*002c*/" + between + "0030*/")) == []
+  # a wait that keeps more groups than are in flight keeps them all
+  two_groups = carried.replace("R24, R32, gdesc[UR8], R24 ;", "R24, R32, gdesc[UR8], R24, gsb0 ;")
+  assert _hits(two_groups.replace("gsb0, 0x1", "gsb0, 0x3")) == [("HMUL2", "R33")]
+
+
+def test_inflight_register_writes_on_real_sass():
+  """The checker on ptxas' own output: the loop of overlap in one part (tests/data/overlap_one_part_loop.sass, the
+  form that gave wrong sums on an H200 and is refused since) writes A's registers while they are in flight."""
+  sass = (ROOT / "tests" / "data" / "overlap_one_part_loop.sass").read_text()
+  hits = gpu_compile.inflight_register_writes(sass)
+  assert len(gpu_compile.main_loop(sass)) == 350 and gpu_compile.wgmma_waits(sass) == [1]
+  assert len(hits) == 199
+  assert sum(i.opcode == "HMUL2" for i in hits) == 64  # each of the 16 HGMMAs' 4 A registers, scaled in place
+  # waiting for every group before the back branch leaves nothing in flight
+  assert gpu_compile.inflight_register_writes(sass.replace("DEPBAR.LE gsb0, 0x1", "DEPBAR.LE gsb0, 0x0")) == []
 
 
 def test_parse_ptxas():
@@ -169,17 +195,19 @@ def test_kernel_compiles_without_spills(rows, label):
 @pytest.mark.parametrize("label", [c.label for c in kernel_report.TEST_CASES if c.kind == "mosaic_fp4"])
 def test_mosaic_fp4_writes_no_register_in_flight(rows, label):
   """No main-loop instruction writes a register that an HGMMA still in flight reads or writes (undefined in PTX;
-  gpu_compile.inflight_register_writes). MosaicTiles.overlap in one part did, 186-379 times per loop, and on an
-  H200 gave wrong sums with two warpgroups and NaN at block_m 64; it is refused, and overlap in two parts
-  (mosaic_fp4_overlap) is among these cases."""
+  gpu_compile.inflight_register_writes). MosaicTiles.overlap in one part did, 93-379 times per loop by shape and
+  tiles, and on an H200 gave wrong sums with two warpgroups and NaN at block_m 64; it is refused, and overlap in
+  two parts (mosaic_fp4_overlap) is among these cases."""
   assert rows[label]["loop_inflight_writes"] == 0
 
 
 @needs_toolchain
 def test_mosaic_fp4_overlap(rows):
-  """MosaicTiles.overlap in two parts (not the default until a GPU times it): the last part's wgmma group stays in
-  flight into the next step, so that the loop has one wait for all groups, no spills, one launch."""
-  row = rows["mosaic_fp4_overlap"]
+  """MosaicTiles.overlap in two parts (not the default until a GPU times it): no wait in the loop is for all
+  groups, so the last part's wgmma group stays in flight into the next step's first decode (two parts without
+  overlap end each step with a wait for all). One launch, no spills, the registers within the pool."""
+  row, parts = rows["mosaic_fp4_overlap"], rows["mosaic_fp4_2wg"]
+  assert row["loop_wgmma_waits"] and 0 not in row["loop_wgmma_waits"] and parts["loop_wgmma_waits"][-1] == 0
   assert row["launch_names"] == ["kCustomCall"] and row["spill_bytes"] == 0 and row["loop_mmas"] == 16
   assert (row["tiles"]["parts"], row["tiles"]["compute_wgs"], row["overlap"]) == (2, 2, True)
   assert set(row["setmaxnreg"]["dealloc"]) == {72} and set(row["setmaxnreg"]["alloc"]) == {216}
