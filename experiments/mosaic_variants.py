@@ -12,24 +12,24 @@ costs; the second is what a kernel change moves. GB/s are from device_us where t
 
 In this order (BUDGET_S, default 270, stops it early): a dense call, M = 8, K = N = 8192: XLA's bf16 dot, the
 default tiles, the same with the two compute warpgroups taking turns at the MMAs (`ping_pong` "issued" and
-"done"), with a step's last MMAs running into the next step's decode (`overlap`, two parts), without the
-decode, and without decode and MMAs; grouped, 64 tokens top-8 of 128 experts, gate_up [1536, 2048] and down
-[2048, 768]: the default tiles (one block per expert and pass lane, its row units chained), with `early_exit`
-(a block without work ends after one load), with turns, and the Triton kernel of the same family on bf16
-weights (`grouped_bf16_matmul`); the tensor cores' rate at the kernel's MMA shape (experiments/wgmma_rate.py:
-ns per wgmma m64 x N x k16 per SM, N = 8..256); gate_up where expert 0, then expert 120, takes two x tiles (an
-early and a late block in the grid); 256 tokens, with early exit and with one lane; M = 8, K = 32768, the same
-rows as at 8192 (a block's fixed cost and its steady rate). Every call reads its own weight copy (more than
-the 50 MB L2 in all). A variant whose sums are off the reference (`err` above MAX_ERR)
-gets an "error" too: the stage fails.
+"done"), with a step's last MMAs running into the next step's decode (`overlap`, two parts), with x multicast
+to clusters of 2 blocks, without the decode, and without decode and MMAs; grouped, 64 tokens top-8 of 128
+experts, gate_up [1536, 2048] and down [2048, 768]: the default tiles (one block per expert and pass lane, its
+row units chained), with `early_exit` (a block without work ends after one load), with turns, and the Triton
+kernel of the same family on bf16 weights (`grouped_bf16_matmul`); the tensor cores' rate at the kernel's MMA
+shape (experiments/wgmma_rate.py: ns per wgmma m64 x N x k16 per SM, N = 8..256); gate_up where expert 0, then
+expert 120, takes two x tiles (an early and a late block in the grid); 256 tokens, with early exit and with
+one lane; M = 8, K = 32768, the same rows as at 8192 (a block's fixed cost and its steady rate). Every call
+reads its own weight copy (more than the 50 MB L2 in all). A variant whose sums are off the reference (`err`
+above MAX_ERR) gets an "error" too: the stage fails.
 
 A row that runs past ROW_S (a kernel that hangs) ends the process; rerun with RESUME=1 to keep the rows so
 far, record that one as hung and go on (gpu_check does). Earlier runs, docs/gpu_check/h200-2026-12-04*:
   (none) wall clock only; x multicast to a cluster slower everywhere.
   b, c   device time: two compute warpgroups faster than one at every shape; `parts`, `overlap` in one part
          (wrong sums with two warpgroups, NaN at block_m 64: it writes registers in flight, since refused);
-         the decode replaced by register moves: 13.1 us at M = 8 against 16.5; 8 slots of block_k 256: slower; XLA's `lax.ragged_dot` 5.3x and 4.6x slower than
-         the kernel at 64 tokens.
+         the decode replaced by register moves: 13.1 us at M = 8 against 16.5; 8 slots of block_k 256:
+         slower; XLA's `lax.ragged_dot` 5.3x and 4.6x slower than the kernel at 64 tokens.
   d      more weight bytes in flight per SM (5 slots; x tiles of 8 rows with 4, 7, 14 slots): none faster;
          K = 32768: 3.0 TB/s steady, 3.5 us fixed per block; a wide weight (N = 28672) and M = 1.
   e      tiles_per_block 4 -> 8, 12, 24 (gate_up) and 4 -> 8, 16 (down): 101.0 -> 82.6 us, 56.5 -> 45.6 us.
@@ -74,7 +74,7 @@ def multi(op):  # one jitted call running op over every weight copy (no XLA merg
 
 
 # A row of these variants that hung (recorded by a rerun) skips the variant's later rows: each would hang too.
-UNTIMED = ("ping-pong", "early exit", "overlap")
+UNTIMED = ("ping-pong", "early exit", "overlap", "cluster")
 
 
 def hung(name):
@@ -269,10 +269,15 @@ def wgmma_rates(variants=wgmma_rate.VARIANTS):
 # grid; 256 tokens; a dense call at K = 32768 (a block's fixed cost and its steady rate, with the K = 8192 rows).
 # Run d has M = 1, more slots and x tiles of 8 rows, and the wide weight.
 def turns(m, k, n):
-  """The default tiles with the warpgroups taking turns, and with a step's MMAs running on into the next step."""
+  """The default tiles with the warpgroups taking turns, with a step's MMAs running on into the next step, and
+  with x multicast to clusters of 2 blocks (x's L2 reads halved: at M = 8, K = N = 8192 every block reads 8 x 8192
+  bf16 of x, 16.8 MB over 128 blocks against 37.7 MB of FP4 weights; without the decode the step moved 5.8 TB/s
+  of both through L2 (run b: 12.9 us, 3.5 fixed). Cluster 2 was timed only in the first run, in wall clock and
+  with one warpgroup, where it was slower)."""
   t = fm.default_tiles(m, k, n)
   overlap = ("overlap 2 parts", dataclasses.replace(t, parts=2, overlap=True))
-  return [*((f"ping-pong {when}", dataclasses.replace(t, ping_pong=when)) for when in PING_PONG), overlap]
+  cluster = ("cluster 2", dataclasses.replace(t, cluster=2))
+  return [*((f"ping-pong {when}", dataclasses.replace(t, ping_pong=when)) for when in PING_PONG), overlap, cluster]
 
 
 PING_PONG = ("issued", "done")
