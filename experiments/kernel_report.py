@@ -25,7 +25,8 @@ The roofline (an estimate, not a measurement; the GPU check measures):
   launch   2 us per launch (kernel launch and gap in a CUDA graph)
   L2       (weights streamed + x read by every block) / 7 TB/s: every block reads its x tiles
            through L2, once per weight tile it streams, shared by a cluster (fp4_mosaic's TMA
-           multicast); 7 TB/s is an assumption (published H100 L2 microbenchmarks), not a measurement
+           multicast): M rows of a dense call (up to block_m), block_m of a grouped pass; 7 TB/s is
+           an assumption (published H100 L2 microbenchmarks), not a measurement
   kernel time = max(memory, issue, L2) + launches x 2 us; bf16 time = its weight bytes / 4.8 TB/s + 2 us
   (the dense bf16 matmul at the roofline; grouped: the experts that got rows, once each);
   "predicted vs bf16" = bf16 time / kernel time. The grouped_bf16 rows (the benchmark's baseline,
@@ -335,8 +336,13 @@ def _row(case: Case, program, tiles, streamed: int, distinct: int, partial_bytes
   matrix = case.n * case.k
   weights_streamed = streamed * matrix
   kernel_bytes = weights_streamed * bytes_per_weight + case.m * case.k * 2 + case.m * case.n * 2 + partial_bytes
-  # every block reads its x tiles through L2: block_m rows x K per block_n rows streamed, once per cluster
-  x_l2_bytes = streamed * (case.n // tiles.block_n) * tiles.block_m * case.k * 2 / getattr(tiles, "cluster", 1)
+  # every block reads its x tiles through L2: its rows x K per block_n rows streamed, once per cluster. A dense
+  # call's rows are M up to block_m (a copy or masked load reads no row past M; fp4_mosaic pads an M over 8 to a
+  # multiple of 8); a grouped pass reads a whole tile of real rows; jax's int8 kernel gets x^T already block_m wide.
+  rows = tiles.block_m
+  if not case.experts and case.kind != "mosaic_int8":
+    rows = min(rows, case.m if case.m <= 8 else -(-case.m // 8) * 8)
+  x_l2_bytes = streamed * (case.n // tiles.block_n) * rows * case.k * 2 / getattr(tiles, "cluster", 1)
   t_memory, t_issue = kernel_bytes / HBM, weights_streamed * ipw / 32 / ISSUE
   t_l2 = (weights_streamed * bytes_per_weight + x_l2_bytes) / L2
   t_kernel = max(t_memory, t_issue, t_l2) + len(program.launches) * LAUNCH_S
