@@ -337,11 +337,12 @@ def _row(case: Case, program, tiles, streamed: int, distinct: int, partial_bytes
   weights_streamed = streamed * matrix
   kernel_bytes = weights_streamed * bytes_per_weight + case.m * case.k * 2 + case.m * case.n * 2 + partial_bytes
   # every block reads its x tiles through L2: its rows x K per block_n rows streamed, once per cluster. A dense
-  # call's rows are M up to block_m (a copy or masked load reads no row past M; fp4_mosaic pads an M over 8 to a
-  # multiple of 8); a grouped pass reads a whole tile of real rows; jax's int8 kernel gets x^T already block_m wide.
+  # call's rows are M up to block_m (a TMA copy or a masked load reads no row past M; fp4_mosaic pads an M over 8
+  # to a multiple of 8 first); a grouped pass reads a whole tile of real rows; jax's int8 kernel gets x^T already
+  # block_m wide.
   rows = tiles.block_m
   if not case.experts and case.kind != "mosaic_int8":
-    rows = min(rows, case.m if case.m <= 8 else -(-case.m // 8) * 8)
+    rows = min(rows, -(-case.m // 8) * 8 if case.kind == "mosaic_fp4" and case.m > 8 else case.m)
   x_l2_bytes = streamed * (case.n // tiles.block_n) * rows * case.k * 2 / getattr(tiles, "cluster", 1)
   t_memory, t_issue = kernel_bytes / HBM, weights_streamed * ipw / 32 / ISSUE
   t_l2 = (weights_streamed * bytes_per_weight + x_l2_bytes) / L2

@@ -272,8 +272,8 @@ def turns(m, k, n):
   """The default tiles with the warpgroups taking turns, with a step's MMAs running on into the next step, and
   with x multicast to clusters of 2 blocks (x's L2 reads halved: at M = 8, K = N = 8192 every block reads 8 x 8192
   bf16 of x, 16.8 MB over 128 blocks against 37.7 MB of FP4 weights; without the decode the step moved 5.8 TB/s
-  of both through L2 (run b: 12.9 us, 3.5 fixed). Cluster 2 was timed only in the first run, in wall clock and
-  with one warpgroup, where it was slower)."""
+  of both through L2 (run b: 12.9 us, 3.5 fixed), or the weights alone from HBM at 4.0: either may bound it.
+  Cluster 2 was timed only in the first run, in wall clock and with one warpgroup, where it was slower)."""
   t = fm.default_tiles(m, k, n)
   overlap = ("overlap 2 parts", dataclasses.replace(t, parts=2, overlap=True))
   cluster = ("cluster 2", dataclasses.replace(t, cluster=2))
