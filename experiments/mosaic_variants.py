@@ -268,7 +268,7 @@ def wgmma_rates(variants=wgmma_rate.VARIANTS):
 # with empty blocks ending early and with turns; the tensor cores' rate; a two-pass expert early and late in the
 # grid; 256 tokens; a dense call at K = 32768 (a block's fixed cost and its steady rate, with the K = 8192 rows).
 # Run d has M = 1, more slots and x tiles of 8 rows, and the wide weight.
-def turns(m, k, n):
+def candidates(m, k, n):
   """The default tiles with the warpgroups taking turns, with a step's MMAs running on into the next step, and
   with x multicast to clusters of 2 blocks (x's L2 reads halved: at M = 8, K = N = 8192 every block reads 8 x 8192
   bf16 of x, 16.8 MB over 128 blocks against 37.7 MB of FP4 weights; without the decode the step moved 5.8 TB/s
@@ -282,11 +282,11 @@ def turns(m, k, n):
 
 PING_PONG = ("issued", "done")
 EARLY_EXIT = ("early exit", dict(early_exit=True))
-dense(8, variants=turns(8, K, N), diagnostics=True)
+dense(8, variants=candidates(8, K, N), diagnostics=True)
 grouped(64, variants=[EARLY_EXIT, ("ping-pong issued", dict(ping_pong="issued"))])
 wgmma_rates()
 grouped(64, two_pass=(0, 120))
 grouped(256, variants=[EARLY_EXIT, ("1 lane", dict(pass_lanes=1))])
-dense(8, k=32768, variants=turns(8, 32768, N), diagnostics=True)
+dense(8, k=32768, variants=candidates(8, 32768, N), diagnostics=True)
 
 print("total", round(time.time() - T0), "s", flush=True)

@@ -933,7 +933,8 @@ def grouped_fp4_matmul_mosaic(
         for decode_tile, acc_ref in zip(decode[p], accs):
           plgpu.wgmma(acc_ref, decode_tile(words_smem), x_part)
           plgpu.wgmma_wait(1)  # the group before this one is done: its registers are free for the next decode
-      plgpu.wgmma_wait(1 if tiles.overlap else 0)
+      if not tiles.overlap:  # (with overlap the last part's group stays in flight into the next step)
+        plgpu.wgmma_wait(0)
       return accs
 
     def pipeline(compute_context, row0, unit, state):

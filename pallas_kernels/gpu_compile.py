@@ -187,15 +187,26 @@ def _main_loop_span(instructions: list[Instruction]) -> tuple[int, int]:
   return best[2], best[3]
 
 
+def _main_loop_instructions(sass: str) -> list[Instruction]:
+  instructions = sass_instructions(sass)
+  start, end = _main_loop_span(instructions)
+  return instructions[start : end + 1]
+
+
 def main_loop(sass: str) -> list[str]:
   """Opcodes of the main loop: of the loops (a label to a backward branch to it) that issue the
   most MMAs, the shortest. Triton's software-pipelined K loop is one such block; in a Mosaic GPU
   kernel the K loop sits inside the persistent tile loop, and the barrier waits' retry paths, placed
   after the function's end, branch back into its middle: both span the K loop's MMAs and more.
   Raises if no loop holds an MMA."""
-  instructions = sass_instructions(sass)
-  start, end = _main_loop_span(instructions)
-  return [ins.opcode for ins in instructions[start : end + 1]]
+  return [ins.opcode for ins in _main_loop_instructions(sass)]
+
+
+def _wgmma_wait(ins: Instruction) -> int | None:
+  """N of a WARPGROUP.DEPBAR.LE gsb0, N (wgmma.wait_group N: the groups it leaves in flight); None for others."""
+  if ins.opcode != "WARPGROUP" or not ins.modifiers.startswith(".DEPBAR"):
+    return None
+  return int(re.search(r"0x([0-9a-f]+)", ins.operands).group(1), 16)
 
 
 def _written(ins: Instruction) -> set[int]:
@@ -241,17 +252,15 @@ def inflight_register_writes(sass: str) -> list[Instruction]:
   flight at the back branch meets the next trip's writes; a group ends at the HGMMA marked gsb0
   (wgmma.commit_group), and DEPBAR.LE gsb0, N keeps the last N groups in flight. Not checked: reads of
   in-flight accumulators, and code outside the main loop."""
-  instructions = sass_instructions(sass)
-  start, end = _main_loop_span(instructions)
+  loop = _main_loop_instructions(sass)
   groups, open_group, out = [], set(), []
   for trip in range(2):
-    for ins in instructions[start : end + 1]:
+    for ins in loop:
       if ins.opcode == "HGMMA":
         open_group |= _hgmma_registers(ins)
         if "gsb0" in ins.operands:
           groups, open_group = [*groups, open_group], set()
-      elif ins.opcode == "WARPGROUP" and ins.modifiers.startswith(".DEPBAR"):
-        keep = int(re.search(r"0x([0-9a-f]+)", ins.operands).group(1), 16)
+      elif (keep := _wgmma_wait(ins)) is not None:
         groups = groups[-keep:] if keep else []
       elif trip and _written(ins) & set().union(open_group, *groups):
         out.append(ins)
@@ -260,13 +269,7 @@ def inflight_register_writes(sass: str) -> list[Instruction]:
 
 def wgmma_waits(sass: str) -> list[int]:
   """The wgmma groups each WARPGROUP.DEPBAR of the main loop leaves in flight (wgmma.wait_group N), in order."""
-  instructions = sass_instructions(sass)
-  start, end = _main_loop_span(instructions)
-  return [
-    int(re.search(r"0x([0-9a-f]+)", ins.operands).group(1), 16)
-    for ins in instructions[start : end + 1]
-    if ins.opcode == "WARPGROUP" and ins.modifiers.startswith(".DEPBAR")
-  ]
+  return [keep for ins in _main_loop_instructions(sass) if (keep := _wgmma_wait(ins)) is not None]
 
 
 # --- compiling ----------------------------------------------------------------------------------

@@ -127,11 +127,11 @@ def test_inflight_register_writes():
   # SHFL writes a predicate, then a register; a compare only predicates
   assert _hits(moved.replace("LDS.128 R8, [R3]", "SHFL.IDX PT, R34, R1, R2, R3")) == [("SHFL", "PT")]
   assert _hits(moved.replace("LDS.128 R8, [R3]", "ISETP.GE.AND P0, PT, R34, R1, PT")) == []
-  # the group ends at the HGMMA marked gsb0: an A register of the first HGMMA written between the two is a hit,
-  # with any wait; an accumulator written before the group's issue is not, between issue and wait it is
+  # an accumulator written before the group's issue is not a hit; between its issue and the wait it is
   between = "                   IADD3 R26, R1, 0x1, RZ ;\n        /*"
   assert _hits(ok.replace("/*0050*/", "/*004c*/" + between + "0050*/")) == [("IADD3", "R26")]
   assert _hits(ok.replace("/*0030*/", "/*002c*/" + between + "0030*/")) == []
+  # (`carried` holds only if the group ends at the HGMMA marked gsb0: the first HGMMA's A, R33, is in flight.)
   # a wait that keeps more groups than are in flight keeps them all
   two_groups = carried.replace("R24, R32, gdesc[UR8], R24 ;", "R24, R32, gdesc[UR8], R24, gsb0 ;")
   assert _hits(two_groups.replace("gsb0, 0x1", "gsb0, 0x3")) == [("HMUL2", "R33")]
