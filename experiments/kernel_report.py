@@ -88,6 +88,7 @@ class Case:
   early_exit: bool = False  # mosaic_fp4 grouped: MosaicTiles.early_exit
   ping_pong: str = ""  # mosaic_fp4: MosaicTiles.ping_pong
   overlap: bool = False  # mosaic_fp4: MosaicTiles.overlap (with parts >= 2)
+  cluster: int = 0  # mosaic_fp4: blocks that share x's tiles by TMA multicast (MosaicTiles.cluster), 0: the default's
   label: str = ""
 
 
@@ -120,6 +121,8 @@ TEST_CASES = [
   Case("mosaic_fp4", 8, 8192, 8192, compute_wgs=2, ping_pong="issued", label="mosaic_fp4_ping_pong"),
   # not the default: a step's last MMAs run on into the next step's first decode (MosaicTiles.overlap, two parts)
   Case("mosaic_fp4", 8, 8192, 8192, compute_wgs=2, parts=2, overlap=True, label="mosaic_fp4_overlap"),
+  # not the default: x multicast to a cluster of 2 blocks, one warpgroup, at M = 16 (the default tiles' L2 time)
+  Case("mosaic_fp4", 16, 8192, 8192, compute_wgs=1, cluster=2, label="mosaic_fp4_cluster"),
   Case("engine", 64, 2048, 768, experts=128, tokens=64, label="engine_step"),
 ]
 
@@ -141,6 +144,8 @@ def cases(which: str) -> list[Case]:
       out += [
         Case("mosaic_fp4", tokens * 8, n, k, 128, tokens, compute_wgs=wgs) for n, k in ((1536, 2048), (2048, 768))
       ]
+  # x multicast to clusters of 2 (not the default; timed next on a GPU): at M = 16 the default tiles are at their L2 time
+  out += [Case("mosaic_fp4", m, 8192, 8192, compute_wgs=wgs, cluster=2) for m, wgs in ((8, 2), (16, 1), (16, 2))]
   out += [Case("mosaic_int8", m, 8192, 8192, fmt="int8") for m in (16, 64)]
   return out + [Case("engine", 64, 2048, 768, experts=128, tokens=64)]
 
@@ -305,6 +310,7 @@ def _mosaic_fp4_row(case: Case) -> dict:
   x = jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16)
   options = dict(parts=case.parts, early_exit=case.early_exit, ping_pong=case.ping_pong, overlap=case.overlap)
   fields = (("compute_wgs", case.compute_wgs), ("block_m", case.block_m), ("max_concurrent_steps", case.slots))
+  fields += (("cluster", case.cluster),)
   options.update({k: v for k, v in fields if v})
   if case.experts:
     t = dataclasses.replace(mosaic.default_grouped_tiles(case.m, case.experts, case.k, case.n), **options)
@@ -364,6 +370,7 @@ def _row(case: Case, program, tiles, streamed: int, distinct: int, partial_bytes
     loop_inflight_writes=len(kernel.inflight_register_writes()),  # undefined in PTX: gpu_compile says why
     loop_wgmma_waits=kernel.wgmma_waits(),  # the wgmma groups each wait in the loop leaves in flight
     setmaxnreg=kernel.setmaxnreg(),
+    tma_loads=kernel.tma_loads(),
     instructions_per_weight=round(ipw, 2),
     within_budget=ipw <= BUDGET,
     expert_streams=streamed if case.experts else None,
@@ -394,6 +401,7 @@ def markdown(rows: list[dict]) -> str:
     kind = r["kind"] + (f" ({t['compute_wgs']} warpgroups)" if t.get("compute_wgs", 1) > 1 else "")
     kind += f" ({t['parts']} parts)" if t.get("parts", 1) > 1 else ""
     kind += " (overlap)" if r.get("overlap") else ""
+    kind += f" (cluster {t['cluster']})" if t.get("cluster", 1) > 1 else ""
     lines.append(
       f"| {kind} | {shape} | {'yes' if r['ptx_decode'] else 'no'} | {t['block_m']}, {t['block_n']}, {t['block_k']}, "
       f"{t['k_splits']}, {t.get('cluster', 1)} | {r['launches']} | {r['registers']} | {r['spill_bytes']} | "

@@ -13,7 +13,8 @@ costs; the second is what a kernel change moves. GB/s are from device_us where t
 In this order (BUDGET_S, default 270, stops it early): a dense call, M = 8, K = N = 8192: XLA's bf16 dot, the
 default tiles, the same with the two compute warpgroups taking turns at the MMAs (`ping_pong` "issued" and
 "done"), with a step's last MMAs running into the next step's decode (`overlap`, two parts), with x multicast
-to clusters of 2 blocks, without the decode, and without decode and MMAs; grouped, 64 tokens top-8 of 128
+to clusters of 2 blocks, without the decode, and without decode and MMAs; M = 16: the bf16 dot, the default
+tiles and the cluster of 2; grouped, 64 tokens top-8 of 128
 experts, gate_up [1536, 2048] and down [2048, 768]: the default tiles (one block per expert and pass lane, its
 row units chained), with `early_exit` (a block without work ends after one load), with turns, and the Triton
 kernel of the same family on bf16 weights (`grouped_bf16_matmul`); the tensor cores' rate at the kernel's MMA
@@ -280,9 +281,14 @@ def candidates(m, k, n):
   return [*((f"ping-pong {when}", dataclasses.replace(t, ping_pong=when)) for when in PING_PONG), overlap, cluster]
 
 
+# M = 16 (never timed: block_m 16 like M = 8, twice x's rows): the roofline (experiments/kernel_report.py) puts it at
+# its L2 time, x's reads 0.89x the weight bytes (10.2 us against 8.0 of memory time, 2.47x bf16), where a cluster
+# of 2 halves them (3.0x); the row says whether that limit holds.
+CLUSTER_16 = ("cluster 2", dataclasses.replace(fm.default_tiles(16, K, N), cluster=2))
 PING_PONG = ("issued", "done")
 EARLY_EXIT = ("early exit", dict(early_exit=True))
 dense(8, variants=candidates(8, K, N), diagnostics=True)
+dense(16, variants=[CLUSTER_16])
 grouped(64, variants=[EARLY_EXIT, ("ping-pong issued", dict(ping_pong="issued"))])
 wgmma_rates()
 grouped(64, two_pass=(0, 120))
