@@ -1,10 +1,22 @@
-"""Fixtures shared by the test modules that run the RL loop end to end (train, experiments)."""
+"""The suite's settings (LLVM -O0 for its CPU programs, one compilation cache, the longest files first under
+pytest-xdist) and the fixtures that test modules share."""
 
 import os
 
 # The CUDA plugin of requirements-gpu-compile.txt (deviceless GPU compiles, tests/test_gpu_compile.py)
 # refuses to load without a CUDA driver unless told to skip its checks; jax then runs on the CPU.
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+# The suite's programs are tiny, and about half of its time is XLA compiling them (a profile of two
+# tests/test_train.py tests: 50 of 105 s); LLVM at -O0 compiles them sooner (tests/test_train.py alone, one
+# process: 203 s against 229 s), and the code under test is the same. Set before jax creates its CPU client
+# (it reads XLA_FLAGS then), so every xdist worker and every subprocess that a test starts inherits it. A
+# user's own level is left alone; tests whose checks need the default level ask for it per program
+# (tests/sharding_worker.py's jit_default) or drop it for a child (tests/test_gpu_compile.py: the Triton
+# kernels' SASS depends on it).
+FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
 
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -20,6 +32,8 @@ def pytest_configure(config):
   (they and every subprocess inherit it through JAX_COMPILATION_CACHE_DIR): test modules compile
   many of the same programs (the tiny configs' steps), and each would otherwise compile them again.
   A user's own JAX_COMPILATION_CACHE_DIR is left alone."""
+  if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: hand out files in our order (see below)
+    config.option.loadscopereorder = False
   if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     return
   path = tempfile.mkdtemp(prefix="trace_jax_xla_cache_")
@@ -27,6 +41,31 @@ def pytest_configure(config):
   min_secs = os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
   jax.config.update("jax_compilation_cache_dir", path)  # this process imported jax already
   jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_secs))
+
+
+# The test files that take longest (the README's command on 2 cores, --durations, 2026-12-05: 405, 214 and 201 s
+# for the first three), longest first.
+_LONGEST_FIRST = (
+  "test_experiments.py",
+  "test_sharding.py",
+  "test_train.py",
+  "test_vocab_mask.py",
+  "test_rollout.py",
+  "test_gpu_compile.py",
+  "test_long_tasks.py",
+  "test_benchmarks.py",
+  "test_qwen3_5.py",
+  "test_async_rl.py",
+  "test_model.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+  """The longest files first, the rest in their usual order. With `-n 2 --dist loadfile` (the README's
+  command) each worker takes the next file when it is free: started last, a long file leaves the other
+  worker idle at the end. A file's own tests keep their order (the sort is stable)."""
+  rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 def pytest_unconfigure(config):
