@@ -144,7 +144,7 @@ def cases(which: str) -> list[Case]:
       out += [
         Case("mosaic_fp4", tokens * 8, n, k, 128, tokens, compute_wgs=wgs) for n, k in ((1536, 2048), (2048, 768))
       ]
-  # x multicast to clusters of 2 (not the default; timed next on a GPU): at M = 16 the default tiles are at their L2 time
+  # x multicast to clusters of 2 (not the default; timed next on a GPU): at M = 16 the default tiles are at L2 time
   out += [Case("mosaic_fp4", m, 8192, 8192, compute_wgs=wgs, cluster=2) for m, wgs in ((8, 2), (16, 1), (16, 2))]
   out += [Case("mosaic_int8", m, 8192, 8192, fmt="int8") for m in (16, 64)]
   return out + [Case("engine", 64, 2048, 768, experts=128, tokens=64)]

@@ -265,7 +265,8 @@ def wgmma_rates(variants=wgmma_rate.VARIANTS):
 
 
 # the questions that matter most first (BUDGET_S may stop the run): a dense call with the warpgroups taking turns
-# at the MMAs, and where its time goes (without the decode, and without decode and MMAs); the MoE layers at decode,
+# at the MMAs, and where its time goes (without the decode, and without decode and MMAs); M = 16, the issue's
+# largest decode shape, never timed (3 rows: the roofline's one shape below 2.5x); the MoE layers at decode,
 # with empty blocks ending early and with turns; the tensor cores' rate; a two-pass expert early and late in the
 # grid; 256 tokens; a dense call at K = 32768 (a block's fixed cost and its steady rate, with the K = 8192 rows).
 # Run d has M = 1, more slots and x tiles of 8 rows, and the wide weight.
