@@ -309,8 +309,12 @@ def _mosaic_fp4_row(case: Case) -> dict:
   w = jax.eval_shape(mosaic.pack_fragments, _weight(case))
   x = jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16)
   options = dict(parts=case.parts, early_exit=case.early_exit, ping_pong=case.ping_pong, overlap=case.overlap)
-  fields = (("compute_wgs", case.compute_wgs), ("block_m", case.block_m), ("max_concurrent_steps", case.slots))
-  fields += (("cluster", case.cluster),)
+  fields = (
+    ("compute_wgs", case.compute_wgs),
+    ("block_m", case.block_m),
+    ("max_concurrent_steps", case.slots),
+    ("cluster", case.cluster),
+  )
   options.update({k: v for k, v in fields if v})
   if case.experts:
     t = dataclasses.replace(mosaic.default_grouped_tiles(case.m, case.experts, case.k, case.n), **options)
@@ -349,7 +353,7 @@ def _row(case: Case, program, tiles, streamed: int, distinct: int, partial_bytes
   rows = tiles.block_m
   if not case.experts and case.kind != "mosaic_int8":
     rows = min(rows, -(-case.m // 8) * 8 if case.kind == "mosaic_fp4" and case.m > 8 else case.m)
-  x_l2_bytes = streamed * (case.n // tiles.block_n) * rows * case.k * 2 / getattr(tiles, "cluster", 1)
+  x_l2_bytes = streamed * (case.n // tiles.block_n) * rows * case.k * 2 / getattr(tiles, "cluster", 1)  # Triton: none
   t_memory, t_issue = kernel_bytes / HBM, weights_streamed * ipw / 32 / ISSUE
   t_l2 = (weights_streamed * bytes_per_weight + x_l2_bytes) / L2
   t_kernel = max(t_memory, t_issue, t_l2) + len(program.launches) * LAUNCH_S

@@ -278,18 +278,21 @@ def candidates(m, k, n):
   Cluster 2 was timed only in the first run, in wall clock and with one warpgroup, where it was slower)."""
   t = fm.default_tiles(m, k, n)
   overlap = ("overlap 2 parts", dataclasses.replace(t, parts=2, overlap=True))
-  cluster = ("cluster 2", dataclasses.replace(t, cluster=2))
-  return [*((f"ping-pong {when}", dataclasses.replace(t, ping_pong=when)) for when in PING_PONG), overlap, cluster]
+  turns = [(f"ping-pong {when}", dataclasses.replace(t, ping_pong=when)) for when in PING_PONG]
+  return [*turns, overlap, cluster_2(m, k, n)]
 
 
-# M = 16 (never timed: block_m 16 like M = 8, twice x's rows): the roofline (experiments/kernel_report.py) puts it at
-# its L2 time, x's reads 0.89x the weight bytes (10.2 us against 8.0 of memory time, 2.47x bf16), where a cluster
-# of 2 halves them (3.0x); the row says whether that limit holds.
-CLUSTER_16 = ("cluster 2", dataclasses.replace(fm.default_tiles(16, K, N), cluster=2))
+def cluster_2(m, k, n):
+  return ("cluster 2", dataclasses.replace(fm.default_tiles(m, k, n), cluster=2))
+
+
 PING_PONG = ("issued", "done")
 EARLY_EXIT = ("early exit", dict(early_exit=True))
 dense(8, variants=candidates(8, K, N), diagnostics=True)
-dense(16, variants=[CLUSTER_16])
+# M = 16 (never timed: block_m 16 like M = 8, twice x's rows): the roofline (experiments/kernel_report.py) puts it at
+# its L2 time, x's reads 0.89x the weight bytes (10.2 us against 8.0 of memory time, 2.47x bf16), where a cluster
+# of 2 halves them (3.0x); the row says whether that limit holds.
+dense(16, variants=[cluster_2(16, K, N)])
 grouped(64, variants=[EARLY_EXIT, ("ping-pong issued", dict(ping_pong="issued"))])
 wgmma_rates()
 grouped(64, two_pass=(0, 120))

@@ -296,9 +296,9 @@ class KernelSass:
   def tma_loads(self) -> dict[str, int]:
     """The kernel's TMA loads (SASS UTMALDG) by kind: "multicast" (one copy for every block of a cluster) and
     "single"."""
-    ops = [ins.opcode + ins.modifiers for ins in sass_instructions(self.sass) if ins.opcode == "UTMALDG"]
-    multicast = sum(".MULTICAST" in op for op in ops)
-    return {"multicast": multicast, "single": len(ops) - multicast}
+    loads = [ins for ins in sass_instructions(self.sass) if ins.opcode == "UTMALDG"]
+    multicast = sum(".MULTICAST" in ins.modifiers for ins in loads)
+    return {"multicast": multicast, "single": len(loads) - multicast}
 
   def inflight_register_writes(self) -> list[Instruction]:
     """Main-loop writes to registers that an HGMMA in flight still uses (`inflight_register_writes`)."""

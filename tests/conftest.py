@@ -31,11 +31,11 @@ _SESSION_CACHE = "TRACE_JAX_TEST_XLA_CACHE"  # set by the process that made the 
 
 
 def pytest_configure(config):
-  """One on-disk XLA compilation cache for the session, made before pytest-xdist starts its workers
+  """pytest-xdist hands out files in our order (pytest_collection_modifyitems), not by their count of tests.
+  One on-disk XLA compilation cache for the session, made before pytest-xdist starts its workers
   (they and every subprocess inherit it through JAX_COMPILATION_CACHE_DIR): test modules compile
   many of the same programs (the tiny configs' steps), and each would otherwise compile them again.
   A user's own JAX_COMPILATION_CACHE_DIR is left alone."""
-  # pytest-xdist: hand out files in our order (pytest_collection_modifyitems), not by their count of tests
   if hasattr(config.option, "loadscopereorder"):
     config.option.loadscopereorder = False
   if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
