@@ -14,15 +14,16 @@ In this order (BUDGET_S, default 270, stops it early): a dense call, M = 8, K = 
 default tiles, the same with the two compute warpgroups taking turns at the MMAs (`ping_pong` "issued" and
 "done"), with a step's last MMAs running into the next step's decode (`overlap`, two parts), with x multicast
 to clusters of 2 blocks, without the decode, and without decode and MMAs; M = 16: the bf16 dot, the default
-tiles and the cluster of 2; grouped, 64 tokens top-8 of 128
-experts, gate_up [1536, 2048] and down [2048, 768]: the default tiles (one block per expert and pass lane, its
-row units chained), with `early_exit` (a block without work ends after one load), with turns, and the Triton
-kernel of the same family on bf16 weights (`grouped_bf16_matmul`); the tensor cores' rate at the kernel's MMA
-shape (experiments/wgmma_rate.py: ns per wgmma m64 x N x k16 per SM, N = 8..256); gate_up where expert 0, then
-expert 120, takes two x tiles (an early and a late block in the grid); 256 tokens, with early exit and with
-one lane; M = 8, K = 32768, the same rows as at 8192 (a block's fixed cost and its steady rate). Every call
-reads its own weight copy (more than the 50 MB L2 in all). A variant whose sums are off the reference (`err`
-above MAX_ERR) gets an "error" too: the stage fails.
+tiles and the cluster of 2; grouped, 64 tokens top-8 of 128 experts, gate_up [1536, 2048] and down
+[2048, 768]: the default tiles (one block per expert and pass lane, its row units chained), at gate_up with
+one 64-row tile per 512-wide step (the earlier default), with `early_exit` (a block without work ends after
+one load), with turns, and the Triton kernel of the same family on bf16 weights (`grouped_bf16_matmul`); the
+tensor cores' rate at the kernel's MMA shape (experiments/wgmma_rate.py: ns per wgmma m64 x N x k16 per SM,
+N = 8..256); gate_up where expert 0, then expert 120, takes two x tiles (an early and a late block in the
+grid); 256 tokens, with one tile at 512, with early exit and with one lane; M = 8, K = 32768, the same rows as
+at 8192 (a block's fixed cost and its steady rate). Every call reads its own weight copy (more than the 50 MB
+L2 in all). A variant whose sums are off the reference (`err` above MAX_ERR) gets an "error" too: the stage
+fails.
 
 A row that runs past ROW_S (a kernel that hangs) ends the process; rerun with RESUME=1 to keep the rows so
 far, record that one as hung and go on (gpu_check does). Earlier runs, docs/gpu_check/h200-2026-12-04*:
@@ -189,7 +190,7 @@ def two_pass_sizes(sizes, expert, block_m=16):
 
 def grouped(tokens, variants=(), two_pass=()):
   """gate_up [1536, 2048] and down [2048, 768], `tokens` top-8 of 128 experts (sampled): the default tiles,
-  `variants` (name, fields changed from the default) and the bf16 Triton grouped kernel of the same family. With
+  `variants` (name, fields changed from the default, or a function of the default and K giving the tiles) and the bf16 Triton grouped kernel of the same family. With
   `two_pass` (experts), gate_up's default only, on group sizes where each of those experts in turn takes two x
   tiles (`two_pass_sizes`)."""
   for n, k in ((1536, 2048),) if two_pass else ((1536, 2048), (2048, 768)):
@@ -208,7 +209,10 @@ def grouped(tokens, variants=(), two_pass=()):
       )
     if two_pass:
       continue
-    tiles = [("default", default)] + [(name, dataclasses.replace(default, **fields)) for name, fields in variants]
+    tiles = [("default", default)]
+    for name, fields in variants:  # fields: a dict, or a function of (default, k) giving tiles or None (no row)
+      t = fields(default, k) if callable(fields) else dataclasses.replace(default, **fields)
+      tiles += [(name, t)] if t else []
     grouped_rows(label, x, weights, sampled, tiles)
     sizes = jnp.asarray(sampled, jnp.int32)
     wbs = [jax.random.normal(jax.random.key(20 + i), (E, n, k), jnp.bfloat16) for i in range(2)]
@@ -286,17 +290,26 @@ def cluster_2(m, k, n):
   return ("cluster 2", dataclasses.replace(fm.default_tiles(m, k, n), cluster=2))
 
 
+def one_tile_512(default, k):
+  """The grouped default before two 64-row tiles per step (steps of 512 on one tile, the same rows chained; run
+  f's 87.8 us at gate_up, 64 tokens); none where K has no 512-wide steps (down: two tiles at 256 either way)."""
+  return None if default.row_tiles == 1 or k % 512 else fm.with_row_tiles(default, 1, k)
+
+
 PING_PONG = ("issued", "done")
 EARLY_EXIT = ("early exit", dict(early_exit=True))
+ONE_TILE = ("one tile at 512", one_tile_512)
 dense(8, variants=candidates(8, K, N), diagnostics=True)
 # M = 16 (never timed: block_m 16 like M = 8, twice x's rows): the roofline (experiments/kernel_report.py) puts it at
 # its L2 time, x's reads 0.89x the weight bytes (10.2 us against 8.0 of memory time, 2.47x bf16), where a cluster
 # of 2 halves them (3.0x); the row says whether that limit holds.
 dense(16, variants=[cluster_2(16, K, N)])
-grouped(64, variants=[EARLY_EXIT, ("ping-pong issued", dict(ping_pong="issued"))])
+# Grouped: the default takes two 64-row tiles per step at gate_up as at down (x read once per 128 weight rows), not
+# yet timed there: one tile at 512 (the earlier default) beside it.
+grouped(64, variants=[ONE_TILE, EARLY_EXIT, ("ping-pong issued", dict(ping_pong="issued"))])
 wgmma_rates()
 grouped(64, two_pass=(0, 120))
-grouped(256, variants=[EARLY_EXIT, ("1 lane", dict(pass_lanes=1))])
+grouped(256, variants=[ONE_TILE, EARLY_EXIT, ("1 lane", dict(pass_lanes=1))])
 dense(8, k=32768, variants=candidates(8, 32768, N), diagnostics=True)
 
 print("total", round(time.time() - T0), "s", flush=True)

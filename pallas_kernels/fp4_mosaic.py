@@ -30,6 +30,7 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     A negative scale flips its block's code signs (same values).
   * Codes and scales travel as one int32 stream (`FragmentWeight.words`): one copy per pipeline
     step, issued by a producer warpgroup, so that the consumer's loop only decodes and multiplies.
+    Not marked evict-first: Mosaic GPU's TMA copies take no L2 cache hint (jax 0.10.2 to 0.11.1).
   * x's tiles can be shared by a cluster of blocks (consecutive 64-row tiles of one expert): the
     copy engine multicasts each tile (`MosaicTiles.cluster`). Off by default: on an H200 it made
     every call slower (`default_tiles`).
@@ -42,7 +43,9 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     `MosaicTiles.early_exit` (off until timed) they end after one load of their group size.
   * Where K leaves no 512-wide step (K = 768: the down projection), a step takes 256 of K on two
     64-row tiles (`MosaicTiles.row_tiles`): one x tile and one set of wgmma descriptors for both, so
-    that the loop's fixed cost is spread over as many weights as a 512-wide step.
+    that the loop's fixed cost is spread over as many weights as a 512-wide step. A grouped call takes
+    them at any K where its blocks stay as many (`default_grouped_tiles`): x is then read through L2
+    once per 128 weight rows, not 64.
   * Two consumer warpgroups per block (`MosaicTiles.compute_wgs = 2`; the default at block_m 16 and
     64, measured faster on an H200: `default_tiles`): each decodes and multiplies half of every
     step's K into its own accumulator, and the two sums meet once per item, through shared memory
@@ -681,9 +684,28 @@ def default_tiles(m: int, k: int, n: int = 0, experts: int = 1) -> MosaicTiles:
   (cluster 8): 274 us against 68 us; grouped gate_up, 64 tokens: 414 us against 186 us."""
   block_m = max(16, min(_next_power_of_2(m), 64))
   block_k = next((b for b in (512, 384, 256, SCALE_GROUP_K) if k % b == 0 and k // b >= 2), SCALE_GROUP_K)
-  row_tiles, n_tiles = 1, n // ROWS
-  if block_k < 512 and k % 256 == 0 and k // 256 >= 2 and n_tiles % 2 == 0 and experts * n_tiles // 2 >= WAVES * SMS:
-    block_k, row_tiles = 256, 2
+  if block_k < 512 and _two_row_tiles_fit(k, n) and experts * (n // ROWS) // 2 >= WAVES * SMS:
+    return step_tiles(block_m, 256, k, row_tiles=2)
+  return step_tiles(block_m, block_k, k)
+
+
+def with_row_tiles(tiles: MosaicTiles, row_tiles: int, k: int) -> MosaicTiles:
+  """Steps of 512 / row_tiles of K on `row_tiles` 64-row tiles (step_tiles' slots and warpgroups), each block
+  chaining the same 64-row tiles and pass lanes as `tiles` (a grouped block's rows kept): the other step shape of
+  a grouped default, for side-by-side timing (mosaic_variants.py) and the compile report."""
+  s = step_tiles(tiles.block_m, 512 // row_tiles, k, row_tiles)
+  rows = tiles.tiles_per_block * tiles.row_tiles  # a block's 64-row tiles
+  return dataclasses.replace(s, tiles_per_block=max(1, rows // row_tiles), pass_lanes=tiles.pass_lanes)
+
+
+def _two_row_tiles_fit(k: int, n: int) -> bool:
+  """Whether steps of 256 on two 64-row tiles divide K in 2 steps or more and N in pairs of tiles."""
+  return k % 256 == 0 and k // 256 >= 2 and n > 0 and (n // ROWS) % 2 == 0
+
+
+def step_tiles(block_m: int, block_k: int, k: int, row_tiles: int = 1) -> MosaicTiles:
+  """Tiles of these steps with default_tiles' slots and compute warpgroups of a step (default_tiles): as many slots (up to 4) as fit SMEM_BUDGET and
+  divide the steps; two warpgroups where each takes whole 128-wide scale groups at a block_m timed faster."""
   step_bytes = block_m * block_k * 2 + row_tiles * block_k * ROWS * 9 // 16
   fit = SMEM_BUDGET // step_bytes
   slots = next(s for s in (4, 3, 2, 1) if s <= fit and (k // block_k) % s == 0)  # chained pipelines: s | steps
@@ -708,27 +730,42 @@ def default_grouped_tiles(m: int, num_experts: int, k: int, n: int = 0) -> Mosai
   and 256 tokens top-8 of 128 experts that is one block per expert and lane, all its units chained. On an H200
   at 64 tokens (docs/gpu_check/h200-2026-12-04e-*, -04f-*): gate_up [1536, 2048] 87.8 us, against 101.0 at 4
   units per block (the earlier default; 750 blocks, 6 rounds) and 82.6 with one lane; down [2048, 768] 53.4
-  us, against 56.5 and 45.6. One token's top-8 keeps 96 blocks (2 units each).
+  us, against 56.5 and 45.6. One token's top-8 keeps 96 blocks (two 64-row tiles each).
   pass_lanes: 2 where an expert's rows can take two passes (M > block_m: a group's rows from an 8-row boundary
   span start % 8 + size <= M rows), so that such an expert's second pass runs in a block of its own instead of
-  doubling its block's time, and so the call's: 87.7 us against 155.7 with one lane (run f)."""
+  doubling its block's time, and so the call's: 87.7 us against 155.7 with one lane (run f).
+  row_tiles: 2 (steps of 256 on two 64-row tiles) where K and N allow it and that model predicts no more time
+  (one block per expert either way at 8..256 tokens top-8 of 128), else default_tiles': the same weights per
+  step for half of x's reads through L2 (gate_up [1536, 2048]: 0.44 of the weight bytes at 64 tokens, 0.89 at
+  256, against 0.89 and 1.78 with one tile at 512; experiments/kernel_report.py) and 2.48-2.49 SASS instructions
+  per weight with one warpgroup, 2.63-2.67 with two (one tile at 512: 2.46, 2.68). The roofline this moves
+  (L2 time: 2.7x -> 3.4x bf16 at 64 tokens, 1.9x -> 2.7x at 256) is a model; the down projection's default has
+  run in this form on an H200 since run b, gate_up not yet (mosaic_variants.py times the two side by side)."""
   active = min(num_experts, m)  # experts with rows, at most
   block_m = 16 if m <= 8 * num_experts else 32
   tiles = default_tiles(block_m, k, n, active)
   lanes = 1 if m <= block_m else 2
   if not n:
     return dataclasses.replace(tiles, pass_lanes=lanes)
-  units = n // ROWS // tiles.row_tiles
   expected_passes = max(1, math.ceil((m / active + 3.5) / block_m))  # a group starts 3.5 rows into its x tile
   lanes_used, lane_passes = min(lanes, expected_passes), -(-expected_passes // lanes)
-  unit_steps = tiles.row_tiles * k / 512
 
-  def predicted(t):  # in steps
+  def predicted(tiles, t):  # in steps of 64 x 512 weights, for t row units per block
+    units = n // ROWS // tiles.row_tiles
     blocks = active * lanes_used * units // t
-    return -(-blocks // SMS) * (BLOCK_FIXED_STEPS + t * lane_passes * unit_steps)
+    return -(-blocks // SMS) * (BLOCK_FIXED_STEPS + t * lane_passes * tiles.row_tiles * k / 512)
 
-  per_block = min((t for t in range(1, units + 1) if units % (t * tiles.cluster) == 0), key=predicted)
-  return dataclasses.replace(tiles, tiles_per_block=per_block, pass_lanes=lanes)
+  def chained(tiles):  # its best units per block
+    units = n // ROWS // tiles.row_tiles
+    per_block = min(
+      (t for t in range(1, units + 1) if units % (t * tiles.cluster) == 0), key=functools.partial(predicted, tiles)
+    )
+    return dataclasses.replace(tiles, tiles_per_block=per_block, pass_lanes=lanes)
+
+  candidates = [chained(tiles)]
+  if tiles.row_tiles == 1 and _two_row_tiles_fit(k, n):  # x read once per 128 weight rows: where it ties, it wins
+    candidates.append(chained(step_tiles(block_m, 256, k, row_tiles=2)))
+  return min(candidates[::-1], key=lambda t: predicted(t, t.tiles_per_block))
 
 
 def passes(group_sizes: np.ndarray, block_m: int) -> np.ndarray:

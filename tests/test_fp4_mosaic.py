@@ -7,6 +7,9 @@ runs this file there): the compiled kernel against its jnp reference. The kernel
 (one launch, no spills, instructions per weight) are checked by tests/test_gpu_compile.py.
 """
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,27 +116,45 @@ def test_default_tiles(m, k, n, want):
 
 
 def test_default_grouped_tiles_chain_an_experts_units_while_its_blocks_fit_one_round():
-  # 64 and 256 tokens top-8 of 128 experts: one block per (expert, pass lane), its 24 units chained (one round of
-  # 125-128 streaming blocks), two pass lanes (a group can take two x tiles)
+  # 64 and 256 tokens top-8 of 128 experts: one block per (expert, pass lane), its 12 units (two 64-row tiles each)
+  # chained (one round of 125-128 streaming blocks), two pass lanes (a group can take two x tiles)
   T = fm.MosaicTiles
-  assert fm.default_grouped_tiles(64 * 8, 128, 2048, 1536) == T(16, 512, 4, 1, 24, compute_wgs=2, pass_lanes=2)
-  assert fm.default_grouped_tiles(256 * 8, 128, 2048, 1536) == T(32, 512, 4, 1, 24, pass_lanes=2)
+  assert fm.default_grouped_tiles(64 * 8, 128, 2048, 1536) == T(16, 256, 4, 1, 12, 2, compute_wgs=2, pass_lanes=2)
+  assert fm.default_grouped_tiles(256 * 8, 128, 2048, 1536) == T(32, 256, 4, 1, 12, 2, pass_lanes=2)
   # down [2048, 768]: steps of 256 on two 64-row tiles (3 steps, 3 slots) instead of one tile at 384
   assert fm.default_grouped_tiles(64 * 8, 128, 768, 2048) == T(
     16, 256, 3, 1, 16, row_tiles=2, compute_wgs=2, pass_lanes=2
   )
   assert fm.default_grouped_tiles(256 * 8, 128, 768, 2048) == T(32, 256, 3, 1, 16, row_tiles=2, pass_lanes=2)
   assert fm.default_tiles(16, 768, 2048).row_tiles == 1  # dense: 32 blocks for 132 SMs already
-  # One token (8 rows, 8 experts with rows, one pass each): 2 units per block keeps 96 blocks in one round
-  # (1 unit: 192 blocks, two rounds); one lane.
-  assert fm.default_grouped_tiles(8, 128, 768, 2048) == T(16, 384, 2, tiles_per_block=2)
-  assert fm.default_grouped_tiles(8, 128, 2048, 1536) == T(16, 512, 4, tiles_per_block=2, compute_wgs=2)
-  assert fm.default_grouped_tiles(1, 128, 2048, 1536).tiles_per_block == 1  # 24 blocks: one unit each
+  # One token (8 rows, 8 experts with rows, one pass each): 96 or 128 blocks of 2 tiles, one round; one lane.
+  assert fm.default_grouped_tiles(8, 128, 768, 2048) == T(16, 256, 3, row_tiles=2, compute_wgs=2)
+  assert fm.default_grouped_tiles(8, 128, 2048, 1536) == T(16, 256, 4, row_tiles=2, compute_wgs=2)
+  # One row: 24 blocks of one 64-row tile each, which two tiles per step would halve
+  assert fm.default_grouped_tiles(1, 128, 2048, 1536) == T(16, 512, 4, compute_wgs=2)
+  # 16 experts with a row: 3 tiles of 64 rows per block keep 128 blocks; steps of two tiles cannot
+  assert fm.default_grouped_tiles(16, 128, 2048, 1536) == T(16, 512, 4, tiles_per_block=3, compute_wgs=2)
   # two passes need more rows than block_m (a group spans start % 8 + size <= M rows from an 8-row boundary)
-  assert fm.default_grouped_tiles(16, 128, 2048, 1536).pass_lanes == 1
   assert fm.default_grouped_tiles(17, 128, 2048, 1536).pass_lanes == 2
   # prefill-like: 32 rows per expert take two x tiles of 32 mostly: both lanes stream, a round each
-  assert fm.default_grouped_tiles(4096, 128, 2048, 1536) == T(32, 512, 4, 1, 24, pass_lanes=2)
+  assert fm.default_grouped_tiles(4096, 128, 2048, 1536) == T(32, 256, 4, 1, 12, 2, pass_lanes=2)
+
+
+def test_default_grouped_tiles_read_x_once_per_128_weight_rows_where_the_model_ties():
+  """Two 64-row tiles per step share one x tile: x's reads through L2 halve (the roofline's L2 term: gate_up
+  [1536, 2048] at 64 tokens 0.89 -> 0.44 of the weight bytes, at 256 tokens 1.78 -> 0.89) for the same weights
+  per step. They are chosen where the block model (rounds x (fixed cost + steps)) predicts no more time."""
+  for m, k, n in [(64 * 8, 2048, 1536), (256 * 8, 2048, 1536), (8, 2048, 1536), (4096, 2048, 1536)]:
+    assert fm.default_grouped_tiles(m, 128, k, n).row_tiles == 2
+  for m, k, n in [(1, 2048, 1536), (16, 2048, 1536), (64 * 8, 640, 1536), (64 * 8, 2048, 1472)]:
+    assert fm.default_grouped_tiles(m, 128, k, n).row_tiles == 1  # fewer blocks than SMs; K or N does not divide
+  # the other step shape, the same 64-row tiles per block: the earlier default (timed on an H200, run f) and back
+  T, two = fm.MosaicTiles, fm.default_grouped_tiles(64 * 8, 128, 2048, 1536)
+  one = fm.with_row_tiles(two, 1, 2048)
+  assert one == T(16, 512, 4, 1, 24, compute_wgs=2, pass_lanes=2) and fm.with_row_tiles(one, 2, 2048) == two
+  assert fm.with_row_tiles(fm.default_grouped_tiles(256 * 8, 128, 2048, 1536), 1, 2048) == T(
+    32, 512, 4, 1, 24, pass_lanes=2
+  )
 
 
 @pytest.mark.parametrize("lanes", [1, 2, 3])
@@ -501,3 +522,41 @@ def test_grouped_kernel_four_row_tiles_per_step():
     got = fm.grouped_fp4_matmul_mosaic(x, sizes, packed, tiles=tiles, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
     assert np.all(np.asarray(got)[36:] == 0)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels need an sm_90 GPU (the layout is tested above)")
+def test_grouped_kernel_two_row_tiles_chained():
+  """The grouped defaults' form at decode (default_grouped_tiles): two 64-row tiles per 256-wide step, every row
+  unit of an expert chained in one block, two pass lanes; two warpgroups at block_m 16, one at 32."""
+  rng = np.random.default_rng(7)
+  e, n, k = 5, 512, 1024
+  w = _experts(rng, e, n, k, True)
+  sizes = jnp.asarray([9, 0, 20, 3, 4], jnp.int32)
+  x = jnp.asarray(rng.standard_normal((40, k)), jnp.bfloat16)
+  want = grouped.grouped_fp4_matmul_reference(x, sizes, w, out_dtype=jnp.float32)
+  packed = fm.pack_fragments(w)
+  for tiles in TWO_ROW_TILES_CHAINED:
+    got = fm.grouped_fp4_matmul_mosaic(x, sizes, packed, tiles=tiles, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
+    assert np.all(np.asarray(got)[36:] == 0)
+
+
+TWO_ROW_TILES_CHAINED = (
+  fm.MosaicTiles(16, 256, 4, tiles_per_block=4, row_tiles=2, compute_wgs=2, pass_lanes=2),
+  fm.MosaicTiles(32, 256, 4, tiles_per_block=4, row_tiles=2, pass_lanes=2),
+)
+
+
+def test_two_row_tiles_chained_tiles_are_valid():
+  """What test_grouped_kernel_two_row_tiles_chained runs on a GPU passes the kernel's checks of its tiles (traced
+  here, not run), and a unit count that does not divide the row tiles does not."""
+  rng = np.random.default_rng(7)
+  packed = jax.eval_shape(fm.pack_fragments, _experts(rng, 5, 512, 1024, True))
+  x = jax.ShapeDtypeStruct((40, 1024), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((5,), jnp.int32)
+  for tiles in TWO_ROW_TILES_CHAINED:
+    out = jax.eval_shape(functools.partial(fm.grouped_fp4_matmul_mosaic, tiles=tiles), x, sizes, packed)
+    assert out.shape == (40, 512)
+  with pytest.raises(ValueError, match="does not divide N / 64 = 8"):  # 3 units of 2 tiles in 8 tiles
+    bad = dataclasses.replace(TWO_ROW_TILES_CHAINED[0], tiles_per_block=3)
+    jax.eval_shape(functools.partial(fm.grouped_fp4_matmul_mosaic, tiles=bad), x, sizes, packed)
