@@ -108,11 +108,12 @@ TEST_CASES = [
   Case("mosaic_fp4", 64, 8192, 8192, label="mosaic_fp4_m64"),
   Case("mosaic_fp4", 64 * 8, 1536, 2048, experts=128, tokens=64, label="mosaic_grouped"),
   Case("mosaic_fp4", 64 * 8, 2048, 768, experts=128, tokens=64, label="mosaic_grouped_down"),
+  Case("mosaic_fp4", 256 * 8, 1536, 2048, experts=128, tokens=256, label="mosaic_grouped_256"),  # two tiles per step
   Case("mosaic_fp4", 12, 256, 1024, label="mosaic_fp4_m12"),  # M > 8, not a multiple of 8: x padded
   Case("mosaic_fp4", 20, 128, 256, experts=6, tokens=10, tensor_scale=False, label="mosaic_grouped_small"),
   # two consumer warpgroups (the default at M = 16), each step in two wgmma groups (not the default: mostly slower)
   Case("mosaic_fp4", 16, 8192, 8192, compute_wgs=2, parts=2, label="mosaic_fp4_2wg"),
-  # the default tiles as they are (two warpgroups, two 64-row tiles per step, 4 row units chained per block)
+  # the default tiles as they are (two warpgroups, two 64-row tiles per step, 16 row units chained per block)
   Case("mosaic_fp4", 64 * 8, 2048, 768, experts=128, tokens=64, compute_wgs=0, label="mosaic_grouped_down_default"),
   # not the default: timed on a GPU next (x tiles of 8 rows, 7 slots of 512: more weight bytes in flight)
   Case("mosaic_fp4", 8, 8192, 8192, compute_wgs=2, block_m=8, slots=7, label="mosaic_fp4_bm8"),
@@ -145,8 +146,9 @@ def cases(which: str) -> list[Case]:
       out += [
         Case("mosaic_fp4", tokens * 8, n, k, 128, tokens, compute_wgs=wgs) for n, k in ((1536, 2048), (2048, 768))
       ]
-  # gate_up's grouped default before two 64-row tiles per step: one tile at 512 (run f's 87.8 us at 64 tokens)
-  out += [Case("mosaic_fp4", tokens * 8, 1536, 2048, 128, tokens, row_tiles=1) for tokens in (64, 256)]
+  # gate_up's other step shape: two 64-row tiles at 256 at 64 tokens, one at 512 at 256 tokens (the defaults' other)
+  for wgs in (1, 2):
+    out += [Case("mosaic_fp4", t * 8, 1536, 2048, 128, t, compute_wgs=wgs, row_tiles=2 - (t > 64)) for t in (64, 256)]
   # x multicast to clusters of 2 (not the default; timed next on a GPU): at M = 16 the default tiles are at L2 time
   out += [Case("mosaic_fp4", m, 8192, 8192, compute_wgs=wgs, cluster=2) for m, wgs in ((8, 2), (16, 1), (16, 2))]
   out += [Case("mosaic_int8", m, 8192, 8192, fmt="int8") for m in (16, 64)]
@@ -412,6 +414,11 @@ def markdown(rows: list[dict]) -> str:
     kind += f" ({t['parts']} parts)" if t.get("parts", 1) > 1 else ""
     kind += " (overlap)" if r.get("overlap") else ""
     kind += f" (cluster {t['cluster']})" if t.get("cluster", 1) > 1 else ""
+    kind += (
+      f" ({r['row_tiles']} row tile{'s' * (r['row_tiles'] > 1)} per step, not the default)"
+      if r.get("row_tiles")
+      else ""
+    )
     lines.append(
       f"| {kind} | {shape} | {'yes' if r['ptx_decode'] else 'no'} | {t['block_m']}, {t['block_n']}, {t['block_k']}, "
       f"{t['k_splits']}, {t.get('cluster', 1)} | {r['launches']} | {r['registers']} | {r['spill_bytes']} | "

@@ -16,11 +16,11 @@ default tiles, the same with the two compute warpgroups taking turns at the MMAs
 to clusters of 2 blocks, without the decode, and without decode and MMAs; M = 16: the bf16 dot, the default
 tiles and the cluster of 2; grouped, 64 tokens top-8 of 128 experts, gate_up [1536, 2048] and down
 [2048, 768]: the default tiles (one block per expert and pass lane, its row units chained), at gate_up with
-one 64-row tile per 512-wide step (the earlier default), with `early_exit` (a block without work ends after
+two 64-row tiles per 256-wide step, with `early_exit` (a block without work ends after
 one load), with turns, and the Triton kernel of the same family on bf16 weights (`grouped_bf16_matmul`); the
 tensor cores' rate at the kernel's MMA shape (experiments/wgmma_rate.py: ns per wgmma m64 x N x k16 per SM,
 N = 8..256); gate_up where expert 0, then expert 120, takes two x tiles (an early and a late block in the
-grid); 256 tokens, with one tile at 512, with early exit and with one lane; M = 8, K = 32768, the same rows as
+grid); 256 tokens, with one tile at 512 at gate_up, with early exit and with one lane; M = 8, K = 32768, the same rows as
 at 8192 (a block's fixed cost and its steady rate). Every call reads its own weight copy (more than the 50 MB
 L2 in all). A variant whose sums are off the reference (`err` above MAX_ERR) gets an "error" too: the stage
 fails.
@@ -290,23 +290,31 @@ def cluster_2(m, k, n):
   return ("cluster 2", dataclasses.replace(fm.default_tiles(m, k, n), cluster=2))
 
 
-def one_tile_512(default, k):
-  """The grouped default before two 64-row tiles per step (steps of 512 on one tile, the same rows chained; run
-  f's 87.8 us at gate_up, 64 tokens); none where K has no 512-wide steps (down: two tiles at 256 either way)."""
-  return None if default.row_tiles == 1 or k % 512 else fm.with_row_tiles(default, 1, k)
+def other_step(row_tiles):
+  """A variant of a grouped default: steps on `row_tiles` 64-row tiles (1: of 512, 2: of 256; the same rows chained
+  per block), none where that is the default or K has no two such steps (down: two tiles at 256 either way)."""
+
+  def tiles(default, k):
+    if default.row_tiles == row_tiles or k % (512 // row_tiles * 2):
+      return None
+    return fm.with_row_tiles(default, row_tiles, k)
+
+  return tiles
 
 
 PING_PONG = ("issued", "done")
 EARLY_EXIT = ("early exit", dict(early_exit=True))
-ONE_TILE = ("one tile at 512", one_tile_512)
+ONE_TILE, TWO_TILES = ("one tile at 512", other_step(1)), ("two tiles at 256", other_step(2))
 dense(8, variants=candidates(8, K, N), diagnostics=True)
 # M = 16 (never timed: block_m 16 like M = 8, twice x's rows): the roofline (experiments/kernel_report.py) puts it at
 # its L2 time, x's reads 0.89x the weight bytes (10.2 us against 8.0 of memory time, 2.47x bf16), where a cluster
 # of 2 halves them (3.0x); the row says whether that limit holds.
 dense(16, variants=[cluster_2(16, K, N)])
-# Grouped: the default takes two 64-row tiles per step at gate_up as at down (x read once per 128 weight rows), not
-# yet timed there: one tile at 512 (the earlier default) beside it.
-grouped(64, variants=[ONE_TILE, EARLY_EXIT, ("ping-pong issued", dict(ping_pong="issued"))])
+# gate_up's step shape: at 64 tokens (x tiles of 16 rows) the default is one tile at 512, and two tiles at 256 (x
+# read once per 128 weight rows) were 4.8% slower in run e with 8 slots (90.7 us against 86.6 at 12 tiles a block);
+# with 4 slots untimed. At 256 tokens (x tiles of 32 rows, 1.78x the weight bytes with one tile) the default is two
+# tiles, never timed with its units chained: one tile beside it.
+grouped(64, variants=[TWO_TILES, EARLY_EXIT, ("ping-pong issued", dict(ping_pong="issued"))])
 wgmma_rates()
 grouped(64, two_pass=(0, 120))
 grouped(256, variants=[ONE_TILE, EARLY_EXIT, ("1 lane", dict(pass_lanes=1))])

@@ -30,7 +30,8 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     A negative scale flips its block's code signs (same values).
   * Codes and scales travel as one int32 stream (`FragmentWeight.words`): one copy per pipeline
     step, issued by a producer warpgroup, so that the consumer's loop only decodes and multiplies.
-    Not marked evict-first: Mosaic GPU's TMA copies take no L2 cache hint (jax 0.10.2 to 0.11.1).
+    Not marked evict-first: Mosaic GPU's TMA copies pass no L2 cache hint (jax 0.10.2, and jax's
+    source at 0.11.1; 0.11.2, the GPU image's, unchecked).
   * x's tiles can be shared by a cluster of blocks (consecutive 64-row tiles of one expert): the
     copy engine multicasts each tile (`MosaicTiles.cluster`). Off by default: on an H200 it made
     every call slower (`default_tiles`).
@@ -43,9 +44,10 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     `MosaicTiles.early_exit` (off until timed) they end after one load of their group size.
   * Where K leaves no 512-wide step (K = 768: the down projection), a step takes 256 of K on two
     64-row tiles (`MosaicTiles.row_tiles`): one x tile and one set of wgmma descriptors for both, so
-    that the loop's fixed cost is spread over as many weights as a 512-wide step. A grouped call takes
-    them at any K where its blocks stay as many (`default_grouped_tiles`): x is then read through L2
-    once per 128 weight rows, not 64.
+    that the loop's fixed cost is spread over as many weights as a 512-wide step. A grouped call with
+    x tiles of 32 rows takes them at other K too (`default_grouped_tiles`): x, then more bytes per
+    step than a tile's weights, is read through L2 once per 128 weight rows, not 64 (a model's
+    gain, not yet timed).
   * Two consumer warpgroups per block (`MosaicTiles.compute_wgs = 2`; the default at block_m 16 and
     64, measured faster on an H200: `default_tiles`): each decodes and multiplies half of every
     step's K into its own accumulator, and the two sums meet once per item, through shared memory
@@ -693,9 +695,14 @@ def with_row_tiles(tiles: MosaicTiles, row_tiles: int, k: int) -> MosaicTiles:
   """Steps of 512 / row_tiles of K on `row_tiles` 64-row tiles (step_tiles' slots and warpgroups), each block
   chaining the same 64-row tiles and pass lanes as `tiles` (a grouped block's rows kept): the other step shape of
   a grouped default, for side-by-side timing (mosaic_variants.py) and the compile report."""
-  s = step_tiles(tiles.block_m, 512 // row_tiles, k, row_tiles)
-  rows = tiles.tiles_per_block * tiles.row_tiles  # a block's 64-row tiles
-  return dataclasses.replace(s, tiles_per_block=max(1, rows // row_tiles), pass_lanes=tiles.pass_lanes)
+  block_k, rows = 512 // row_tiles, tiles.tiles_per_block * tiles.row_tiles  # rows: a block's 64-row tiles
+  if row_tiles not in (1, 2) or k % block_k or k // block_k < 2 or rows % row_tiles:
+    raise ValueError(
+      f"with_row_tiles: steps of {block_k} on {row_tiles} 64-row tiles need row_tiles 1 or 2, 2 steps or more of K = "
+      f"{k}, and a block's {rows} tiles in whole steps."
+    )
+  s = step_tiles(tiles.block_m, block_k, k, row_tiles)
+  return dataclasses.replace(s, tiles_per_block=rows // row_tiles, pass_lanes=tiles.pass_lanes)
 
 
 def _two_row_tiles_fit(k: int, n: int) -> bool:
@@ -730,18 +737,20 @@ def default_grouped_tiles(m: int, num_experts: int, k: int, n: int = 0) -> Mosai
   and 256 tokens top-8 of 128 experts that is one block per expert and lane, all its units chained. On an H200
   at 64 tokens (docs/gpu_check/h200-2026-12-04e-*, -04f-*): gate_up [1536, 2048] 87.8 us, against 101.0 at 4
   units per block (the earlier default; 750 blocks, 6 rounds) and 82.6 with one lane; down [2048, 768] 53.4
-  us, against 56.5 and 45.6. One token's top-8 keeps 96 blocks (two 64-row tiles each).
+  us, against 56.5 and 45.6. One token's top-8 keeps 96 blocks (2 units each).
   pass_lanes: 2 where an expert's rows can take two passes (M > block_m: a group's rows from an 8-row boundary
   span start % 8 + size <= M rows), so that such an expert's second pass runs in a block of its own instead of
   doubling its block's time, and so the call's: 87.7 us against 155.7 with one lane (run f).
-  row_tiles: 2 (steps of 256 on two 64-row tiles) where K and N allow it and that model predicts no more time
-  (one block per expert either way at 8..256 tokens top-8 of 128), else default_tiles': the same weights per
-  step for half of x's reads through L2 (gate_up [1536, 2048]: 0.44 of the weight bytes at 64 tokens, 0.89 at
-  256, against 0.89 and 1.78 with one tile at 512; experiments/kernel_report.py) and 2.48-2.49 SASS instructions
-  per weight with one warpgroup, 2.63-2.67 with two (one tile at 512: 2.46, 2.68). The roofline this moves
-  (L2 time: 2.7x -> 3.4x bf16 at 64 tokens, 1.9x -> 2.7x at 256) is a model; the down projection's default has
-  run in this form on an H200 since run b, gate_up not yet (mosaic_variants.py times the two side by side)."""
-  active = min(num_experts, m)  # experts with rows, at most
+  row_tiles: where a step's x tile has more bytes than one 64-row tile's weights (block_m 32: x's reads through
+  L2 would be 1.78x the weight bytes), 2 (steps of 256 on two 64-row tiles: the same weights per step, x read
+  once per 128 rows) if K and N allow it and that model predicts no more time (at 256 tokens top-8 of 128 the
+  same blocks, one per expert and lane), else default_tiles'. At 256 tokens, gate_up [1536, 2048]: x's L2 reads
+  0.89x the weight bytes, 2.48 SASS instructions per weight (one tile at 512: 1.78x, 2.46; kernel_report.py), and
+  the roofline, L2-bound with one tile, 2.7x bf16 against 1.9x: a model, untimed (neither form has been timed at
+  256 tokens with its units chained). Not at block_m 16 (64 tokens), where x is 0.89x the weight bytes and run
+  e timed two tiles (with 8 slots) 4.8% slower than one at the same rows per block: 90.7 us against 86.6
+  (docs/gpu_check/h200-2026-12-04e-*); mosaic_variants.py times both forms (4 slots) at 64 and 256 tokens."""
+  active = max(1, min(num_experts, m))  # experts with rows, at most (one for an empty x)
   block_m = 16 if m <= 8 * num_experts else 32
   tiles = default_tiles(block_m, k, n, active)
   lanes = 1 if m <= block_m else 2
@@ -763,8 +772,8 @@ def default_grouped_tiles(m: int, num_experts: int, k: int, n: int = 0) -> Mosai
     return dataclasses.replace(tiles, tiles_per_block=per_block, pass_lanes=lanes)
 
   candidates = [chained(tiles)]
-  if tiles.row_tiles == 1 and _two_row_tiles_fit(k, n):  # x read once per 128 weight rows: where it ties, it wins
-    candidates.append(chained(step_tiles(block_m, 256, k, row_tiles=2)))
+  if tiles.row_tiles == 1 and 2 * block_m > ROWS * 9 / 16 and _two_row_tiles_fit(k, n):  # x's bytes > the weights'
+    candidates.append(chained(step_tiles(block_m, 256, k, row_tiles=2)))  # x read once per 128 rows: wins ties
   return min(candidates[::-1], key=lambda t: predicted(t, t.tiles_per_block))
 
 
@@ -893,6 +902,11 @@ def grouped_fp4_matmul_mosaic(
     raise ValueError(
       f"grouped_fp4_matmul_mosaic: tiles.max_concurrent_steps = {tiles.max_concurrent_steps} must divide the "
       f"{k // tiles.block_k} steps of K when a block chains items (tiles_per_block > 1 or M > block_m)."
+    )
+  if k % tiles.block_k:
+    raise ValueError(
+      f"grouped_fp4_matmul_mosaic: tiles.block_k = {tiles.block_k} does not divide K = {k}: the steps would leave "
+      f"{k % tiles.block_k} of K out (take a block_k that divides it, or default_grouped_tiles')."
     )
   block_m, block_k = tiles.block_m, tiles.block_k
   x = x.astype(jnp.bfloat16)

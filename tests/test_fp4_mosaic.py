@@ -116,10 +116,11 @@ def test_default_tiles(m, k, n, want):
 
 
 def test_default_grouped_tiles_chain_an_experts_units_while_its_blocks_fit_one_round():
-  # 64 and 256 tokens top-8 of 128 experts: one block per (expert, pass lane), its 12 units (two 64-row tiles each)
-  # chained (one round of 125-128 streaming blocks), two pass lanes (a group can take two x tiles)
+  # 64 and 256 tokens top-8 of 128 experts: one block per (expert, pass lane), its 24 units chained (one round of
+  # 125-128 streaming blocks; at 256 tokens 12 units of two 64-row tiles), two pass lanes (a group can take two x
+  # tiles)
   T = fm.MosaicTiles
-  assert fm.default_grouped_tiles(64 * 8, 128, 2048, 1536) == T(16, 256, 4, 1, 12, 2, compute_wgs=2, pass_lanes=2)
+  assert fm.default_grouped_tiles(64 * 8, 128, 2048, 1536) == T(16, 512, 4, 1, 24, compute_wgs=2, pass_lanes=2)
   assert fm.default_grouped_tiles(256 * 8, 128, 2048, 1536) == T(32, 256, 4, 1, 12, 2, pass_lanes=2)
   # down [2048, 768]: steps of 256 on two 64-row tiles (3 steps, 3 slots) instead of one tile at 384
   assert fm.default_grouped_tiles(64 * 8, 128, 768, 2048) == T(
@@ -127,34 +128,38 @@ def test_default_grouped_tiles_chain_an_experts_units_while_its_blocks_fit_one_r
   )
   assert fm.default_grouped_tiles(256 * 8, 128, 768, 2048) == T(32, 256, 3, 1, 16, row_tiles=2, pass_lanes=2)
   assert fm.default_tiles(16, 768, 2048).row_tiles == 1  # dense: 32 blocks for 132 SMs already
-  # One token (8 rows, 8 experts with rows, one pass each): 96 or 128 blocks of 2 tiles, one round; one lane.
-  assert fm.default_grouped_tiles(8, 128, 768, 2048) == T(16, 256, 3, row_tiles=2, compute_wgs=2)
-  assert fm.default_grouped_tiles(8, 128, 2048, 1536) == T(16, 256, 4, row_tiles=2, compute_wgs=2)
-  # One row: 24 blocks of one 64-row tile each, which two tiles per step would halve
-  assert fm.default_grouped_tiles(1, 128, 2048, 1536) == T(16, 512, 4, compute_wgs=2)
-  # 16 experts with a row: 3 tiles of 64 rows per block keep 128 blocks; steps of two tiles cannot
-  assert fm.default_grouped_tiles(16, 128, 2048, 1536) == T(16, 512, 4, tiles_per_block=3, compute_wgs=2)
+  # One token (8 rows, 8 experts with rows, one pass each): 2 units per block keeps 96 blocks in one round
+  # (1 unit: 192 blocks, two rounds); one lane.
+  assert fm.default_grouped_tiles(8, 128, 768, 2048) == T(16, 384, 2, tiles_per_block=2)
+  assert fm.default_grouped_tiles(8, 128, 2048, 1536) == T(16, 512, 4, tiles_per_block=2, compute_wgs=2)
+  assert fm.default_grouped_tiles(1, 128, 2048, 1536).tiles_per_block == 1  # 24 blocks: one unit each
   # two passes need more rows than block_m (a group spans start % 8 + size <= M rows from an 8-row boundary)
+  assert fm.default_grouped_tiles(16, 128, 2048, 1536).pass_lanes == 1
   assert fm.default_grouped_tiles(17, 128, 2048, 1536).pass_lanes == 2
   # prefill-like: 32 rows per expert take two x tiles of 32 mostly: both lanes stream, a round each
   assert fm.default_grouped_tiles(4096, 128, 2048, 1536) == T(32, 256, 4, 1, 12, 2, pass_lanes=2)
 
 
-def test_default_grouped_tiles_read_x_once_per_128_weight_rows_where_the_model_ties():
-  """Two 64-row tiles per step share one x tile: x's reads through L2 halve (the roofline's L2 term: gate_up
-  [1536, 2048] at 64 tokens 0.89 -> 0.44 of the weight bytes, at 256 tokens 1.78 -> 0.89) for the same weights
-  per step. They are chosen where the block model (rounds x (fixed cost + steps)) predicts no more time."""
-  for m, k, n in [(64 * 8, 2048, 1536), (256 * 8, 2048, 1536), (8, 2048, 1536), (4096, 2048, 1536)]:
+def test_default_grouped_tiles_read_x_tiles_of_32_rows_once_per_128_weight_rows():
+  """Where a step's x tile has more bytes than a 64-row tile's weights (block_m 32: 1.78x), two 64-row tiles per
+  step share it (x's L2 reads halved for the same weights per step), if K and N allow and the blocks do not
+  change (the block model ties). Not at block_m 16 (0.89x), where an H200 timed two tiles no faster (run e)."""
+  for m, k, n in [(256 * 8, 2048, 1536), (4096, 2048, 1536), (256 * 8, 1024, 512)]:
     assert fm.default_grouped_tiles(m, 128, k, n).row_tiles == 2
-  for m, k, n in [(1, 2048, 1536), (16, 2048, 1536), (64 * 8, 640, 1536), (64 * 8, 2048, 1472)]:
-    assert fm.default_grouped_tiles(m, 128, k, n).row_tiles == 1  # fewer blocks than SMs; K or N does not divide
-  # the other step shape, the same 64-row tiles per block: the earlier default (timed on an H200, run f) and back
-  T, two = fm.MosaicTiles, fm.default_grouped_tiles(64 * 8, 128, 2048, 1536)
-  one = fm.with_row_tiles(two, 1, 2048)
-  assert one == T(16, 512, 4, 1, 24, compute_wgs=2, pass_lanes=2) and fm.with_row_tiles(one, 2, 2048) == two
+  for m, k, n in [(64 * 8, 2048, 1536), (8, 2048, 1536), (1, 2048, 1536), (256 * 8, 640, 1536), (256 * 8, 2048, 1472)]:
+    assert fm.default_grouped_tiles(m, 128, k, n).row_tiles == 1  # block_m 16; K or N does not divide
+  # fewer blocks than SMs (6 experts with rows): two tiles per step would halve them
+  assert fm.default_grouped_tiles(40, 6, 2048, 1536).row_tiles == 1
+  # the other step shape, the same 64-row tiles per block: the earlier default (as timed on an H200) and back
+  T, one = fm.MosaicTiles, fm.default_grouped_tiles(64 * 8, 128, 2048, 1536)
+  two = fm.with_row_tiles(one, 2, 2048)
+  assert two == T(16, 256, 4, 1, 12, 2, compute_wgs=2, pass_lanes=2) and fm.with_row_tiles(two, 1, 2048) == one
   assert fm.with_row_tiles(fm.default_grouped_tiles(256 * 8, 128, 2048, 1536), 1, 2048) == T(
     32, 512, 4, 1, 24, pass_lanes=2
   )
+  for bad in [(one, 1, 768), (one, 1, 512), (one, 3, 2048), (dataclasses.replace(one, tiles_per_block=3), 2, 2048)]:
+    with pytest.raises(ValueError, match="with_row_tiles"):  # 512 does not divide 768; one step; 3 tiles in pairs
+      fm.with_row_tiles(*bad)
 
 
 @pytest.mark.parametrize("lanes", [1, 2, 3])
@@ -526,8 +531,8 @@ def test_grouped_kernel_four_row_tiles_per_step():
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels need an sm_90 GPU (the layout is tested above)")
 def test_grouped_kernel_two_row_tiles_chained():
-  """The grouped defaults' form at decode (default_grouped_tiles): two 64-row tiles per 256-wide step, every row
-  unit of an expert chained in one block, two pass lanes; two warpgroups at block_m 16, one at 32."""
+  """Two 64-row tiles per 256-wide step (the grouped default at block_m 32, and down's at 16), every row unit of an
+  expert chained in one block, two pass lanes; two warpgroups at block_m 16, one at 32."""
   rng = np.random.default_rng(7)
   e, n, k = 5, 512, 1024
   w = _experts(rng, e, n, k, True)
@@ -549,7 +554,7 @@ TWO_ROW_TILES_CHAINED = (
 
 def test_two_row_tiles_chained_tiles_are_valid():
   """What test_grouped_kernel_two_row_tiles_chained runs on a GPU passes the kernel's checks of its tiles (traced
-  here, not run), and a unit count that does not divide the row tiles does not."""
+  here, not run); a unit count that does not divide the row tiles, or a block_k that does not divide K, does not."""
   rng = np.random.default_rng(7)
   packed = jax.eval_shape(fm.pack_fragments, _experts(rng, 5, 512, 1024, True))
   x = jax.ShapeDtypeStruct((40, 1024), jnp.bfloat16)
@@ -559,4 +564,7 @@ def test_two_row_tiles_chained_tiles_are_valid():
     assert out.shape == (40, 512)
   with pytest.raises(ValueError, match="does not divide N / 64 = 8"):  # 3 units of 2 tiles in 8 tiles
     bad = dataclasses.replace(TWO_ROW_TILES_CHAINED[0], tiles_per_block=3)
+    jax.eval_shape(functools.partial(fm.grouped_fp4_matmul_mosaic, tiles=bad), x, sizes, packed)
+  with pytest.raises(ValueError, match="block_k = 384 does not divide K = 1024"):  # its steps would leave 256 out
+    bad = fm.MosaicTiles(16, 384, 1)
     jax.eval_shape(functools.partial(fm.grouped_fp4_matmul_mosaic, tiles=bad), x, sizes, packed)
