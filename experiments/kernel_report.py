@@ -104,6 +104,7 @@ TEST_CASES = [
   # the shapes (M = 8 and 256 tokens compile the same kernels as M = 1 and 64 tokens but for
   # block_m: docs/perf/kernel_report.md has them; left out here for the suite's time)
   Case("mosaic_fp4", 1, 8192, 8192, label="mosaic_fp4_m1"),
+  Case("mosaic_fp4", 8, 8192, 8192, label="mosaic_fp4_m8"),
   Case("mosaic_fp4", 16, 8192, 8192, label="mosaic_fp4"),
   Case("mosaic_fp4", 64, 8192, 8192, label="mosaic_fp4_m64"),
   Case("mosaic_fp4", 64 * 8, 1536, 2048, experts=128, tokens=64, label="mosaic_grouped"),

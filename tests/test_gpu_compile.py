@@ -281,9 +281,9 @@ def test_mosaic_gpu_kernel_compiles_to_sass(rows):
   ],
 )
 def test_mosaic_fp4_kernel(rows, label):
-  """The FP4 Mosaic kernel at decode (dense M = 1, 16 and 64, K = N = 8192; grouped: 64 tokens top-8 of 128
-  experts, gate_up [1536, 2048] and down [2048, 768], and gate_up at 256 tokens; M = 8 and down at 256 tokens
-  are in the full report): one
+  """The FP4 Mosaic kernel at decode (dense M = 1, 8, 16 and 64, K = N = 8192; grouped: 64 tokens top-8 of 128
+  experts, gate_up [1536, 2048] and down [2048, 768], and gate_up at 256 tokens; down at 256 tokens is in the
+  full report): one
   launch (no pad, no transpose, no scale multiply, no group metadata outside it), 32 HGMMA per
   warpgroup per K step (512 / 16; down and 256 tokens: two 64-row tiles x 256 / 16), and within the issue's
   budget of 2.5 instructions per weight (today 2.46-2.48): 11 per
