@@ -101,8 +101,8 @@ TEST_CASES = [
   Case("grouped", 20, 64, 1024, experts=6, tokens=10, fmt="mxfp4", label="grouped_6_experts"),
   Case("grouped_bf16", 64 * 8, 1536, 2048, experts=128, tokens=64, label="grouped_bf16"),
   Case("mosaic_int8", 16, 8192, 8192, fmt="int8", label="mosaic_int8"),
-  # the shapes (M = 8 and 256 tokens compile the same kernels as M = 1 and 64 tokens but for
-  # block_m: docs/perf/kernel_report.md has them; left out here for the suite's time)
+  # the shapes (down at 256 tokens runs gate_up's 256-token loop over K = 768: docs/perf/kernel_report.md has
+  # it, left out here for the suite's time)
   Case("mosaic_fp4", 1, 8192, 8192, label="mosaic_fp4_m1"),
   Case("mosaic_fp4", 8, 8192, 8192, label="mosaic_fp4_m8"),
   Case("mosaic_fp4", 16, 8192, 8192, label="mosaic_fp4"),

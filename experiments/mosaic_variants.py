@@ -16,14 +16,13 @@ default tiles, the same with the two compute warpgroups taking turns at the MMAs
 to clusters of 2 blocks, without the decode, and without decode and MMAs; M = 16: the bf16 dot, the default
 tiles and the cluster of 2; grouped, 64 tokens top-8 of 128 experts, gate_up [1536, 2048] and down
 [2048, 768]: the default tiles (one block per expert and pass lane, its row units chained), at gate_up with
-two 64-row tiles per 256-wide step, with `early_exit` (a block without work ends after
-one load), with turns, and the Triton kernel of the same family on bf16 weights (`grouped_bf16_matmul`); the
-tensor cores' rate at the kernel's MMA shape (experiments/wgmma_rate.py: ns per wgmma m64 x N x k16 per SM,
-N = 8..256); gate_up where expert 0, then expert 120, takes two x tiles (an early and a late block in the
-grid); 256 tokens, with one tile at 512 at gate_up, with early exit and with one lane; M = 8, K = 32768, the same rows as
-at 8192 (a block's fixed cost and its steady rate). Every call reads its own weight copy (more than the 50 MB
-L2 in all). A variant whose sums are off the reference (`err` above MAX_ERR) gets an "error" too: the stage
-fails.
+two 64-row tiles per 256-wide step, with `early_exit` (a block without work ends after one load), with turns,
+and the Triton kernel of the same family on bf16 weights (`grouped_bf16_matmul`); the tensor cores' rate at
+the kernel's MMA shape (experiments/wgmma_rate.py: ns per wgmma m64 x N x k16 per SM, N = 8..256); gate_up
+where expert 0, then expert 120, takes two x tiles (an early and a late block in the grid); 256 tokens, with
+one tile at 512 at gate_up, with early exit and with one lane; M = 8, K = 32768, the same rows as at 8192 (a
+block's fixed cost and its steady rate). Every call reads its own weight copy (more than the 50 MB L2 in all).
+A variant whose sums are off the reference (`err` above MAX_ERR) gets an "error" too: the stage fails.
 
 A row that runs past ROW_S (a kernel that hangs) ends the process; rerun with RESUME=1 to keep the rows so
 far, record that one as hung and go on (gpu_check does). Earlier runs, docs/gpu_check/h200-2026-12-04*:
@@ -190,9 +189,9 @@ def two_pass_sizes(sizes, expert, block_m=16):
 
 def grouped(tokens, variants=(), two_pass=()):
   """gate_up [1536, 2048] and down [2048, 768], `tokens` top-8 of 128 experts (sampled): the default tiles,
-  `variants` (name, fields changed from the default, or a function of the default and K giving the tiles) and the bf16 Triton grouped kernel of the same family. With
-  `two_pass` (experts), gate_up's default only, on group sizes where each of those experts in turn takes two x
-  tiles (`two_pass_sizes`)."""
+  `variants` (name, fields changed from the default, or a function of the default and K giving the tiles) and the
+  bf16 Triton grouped kernel of the same family. With `two_pass` (experts), gate_up's default only, on group sizes
+  where each of those experts in turn takes two x tiles (`two_pass_sizes`)."""
   for n, k in ((1536, 2048),) if two_pass else ((1536, 2048), (2048, 768)):
     if time.time() - T0 > BUDGET_S:
       break

@@ -711,8 +711,9 @@ def _two_row_tiles_fit(k: int, n: int) -> bool:
 
 
 def step_tiles(block_m: int, block_k: int, k: int, row_tiles: int = 1) -> MosaicTiles:
-  """Tiles of these steps with default_tiles' slots and compute warpgroups of a step (default_tiles): as many slots (up to 4) as fit SMEM_BUDGET and
-  divide the steps; two warpgroups where each takes whole 128-wide scale groups at a block_m timed faster."""
+  """Tiles of steps of block_k on `row_tiles` 64-row tiles, with default_tiles' slots and compute warpgroups: as
+  many slots (up to 4) as fit SMEM_BUDGET and divide the steps; two warpgroups where each takes whole 128-wide
+  scale groups, at a block_m where two were timed faster (TWO_WARPGROUPS_BLOCK_M)."""
   step_bytes = block_m * block_k * 2 + row_tiles * block_k * ROWS * 9 // 16
   fit = SMEM_BUDGET // step_bytes
   slots = next(s for s in (4, 3, 2, 1) if s <= fit and (k // block_k) % s == 0)  # chained pipelines: s | steps

@@ -281,18 +281,16 @@ def test_mosaic_gpu_kernel_compiles_to_sass(rows):
   ],
 )
 def test_mosaic_fp4_kernel(rows, label):
-  """The FP4 Mosaic kernel at decode (dense M = 1, 8, 16 and 64, K = N = 8192; grouped: 64 tokens top-8 of 128
-  experts, gate_up [1536, 2048] and down [2048, 768], and gate_up at 256 tokens; down at 256 tokens is in the
-  full report): one
-  launch (no pad, no transpose, no scale multiply, no group metadata outside it), 32 HGMMA per
-  warpgroup per K step (512 / 16; down and 256 tokens: two 64-row tiles x 256 / 16), and within the issue's
-  budget of 2.5 instructions per weight (today 2.46-2.48): 11 per
-  8 weights decode the codes, 4 multiplies apply the scales, 1.5 decode them, then the HGMMA and its
-  descriptor, and the loop's fixed cost. Issue time stays under memory time in the roofline model. The
-  model's speedup is not asserted: on an H200 the kernel measured 2.1-2.2x XLA's bf16 dot at M <= 8
-  (device time), bounded by its copy pipeline (README, "measured"). These rows force one compute
-  warpgroup; the default at block_m 16 and 64 is two (test_mosaic_fp4_two_warpgroups), measured faster
-  though it issues more instructions per weight."""
+  """The FP4 Mosaic kernel at decode (dense M = 1, 8, 16 and 64, K = N = 8192; grouped: 64 tokens top-8 of 128 experts,
+  gate_up [1536, 2048] and down [2048, 768], and gate_up at 256 tokens; down at 256 tokens is in the full report):
+  one launch (no pad, no transpose, no scale multiply, no group metadata outside it), 32 HGMMA per warpgroup per K
+  step (512 / 16; down and 256 tokens: two 64-row tiles x 256 / 16), and within the issue's budget of 2.5
+  instructions per weight (today 2.46-2.48): 11 per 8 weights decode the codes, 4 multiplies apply the scales, 1.5
+  decode them, then the HGMMA and its descriptor, and the loop's fixed cost. Issue time stays under memory time in
+  the roofline model. The model's speedup is not asserted: on an H200 the kernel measured 2.1-2.2x XLA's bf16 dot at
+  M <= 8 (device time), bounded by its copy pipeline (README, "measured"). These rows force one compute warpgroup;
+  the default at block_m 16 and 64 is two (test_mosaic_fp4_two_warpgroups), measured faster though it issues more
+  instructions per weight."""
   row = rows[label]
   assert row["launch_names"] == ["kCustomCall"]
   assert row["loop_mmas"] == 32 and row["spill_bytes"] == 0
