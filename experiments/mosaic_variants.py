@@ -291,12 +291,16 @@ def cluster_2(m, k, n):
 
 def other_step(row_tiles):
   """A variant of a grouped default: steps on `row_tiles` 64-row tiles (1: of 512, 2: of 256; the same rows chained
-  per block), none where that is the default or K has no two such steps (down: two tiles at 256 either way)."""
+  per block), none where that is the default or `fm.with_row_tiles` refuses it (down: K = 768 has no two steps of
+  512)."""
 
   def tiles(default, k):
-    if default.row_tiles == row_tiles or k % (512 // row_tiles * 2):
+    if default.row_tiles == row_tiles:
       return None
-    return fm.with_row_tiles(default, row_tiles, k)
+    try:
+      return fm.with_row_tiles(default, row_tiles, k)
+    except ValueError:  # K has no two such steps
+      return None
 
   return tiles
 

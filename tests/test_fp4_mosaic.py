@@ -512,18 +512,27 @@ def test_ping_pong_matches_reference():
 def test_grouped_kernel_four_row_tiles_per_step():
   """Four 64-row tiles per step (one x tile for 256 weight rows: twice the weight bytes in flight per SM of
   the defaults, in the same shared memory), chained two units per block, with one and two warpgroups."""
-  rng = np.random.default_rng(6)
-  e, n, k = 5, 512, 768
-  w = _experts(rng, e, n, k, True)
+  _five_experts_match_reference(
+    6,
+    768,
+    (
+      fm.MosaicTiles(16, 256, 3, tiles_per_block=2, row_tiles=4, compute_wgs=2),
+      fm.MosaicTiles(16, 128, 6, tiles_per_block=2, row_tiles=4),
+      fm.MosaicTiles(16, 256, 3, row_tiles=4, compute_wgs=2),
+    ),
+  )
+
+
+def _five_experts_match_reference(seed, k, tilings):
+  """The grouped kernel at each of `tilings` against the reference: 5 experts of [512, k] (one without rows), 36
+  rows in groups of 9, 0, 20, 3 and 4, then 4 rows past the groups (zeros)."""
+  rng = np.random.default_rng(seed)
+  w = _experts(rng, 5, 512, k, True)
   sizes = jnp.asarray([9, 0, 20, 3, 4], jnp.int32)
   x = jnp.asarray(rng.standard_normal((40, k)), jnp.bfloat16)
   want = grouped.grouped_fp4_matmul_reference(x, sizes, w, out_dtype=jnp.float32)
   packed = fm.pack_fragments(w)
-  for tiles in (
-    fm.MosaicTiles(16, 256, 3, tiles_per_block=2, row_tiles=4, compute_wgs=2),
-    fm.MosaicTiles(16, 128, 6, tiles_per_block=2, row_tiles=4),
-    fm.MosaicTiles(16, 256, 3, row_tiles=4, compute_wgs=2),
-  ):
+  for tiles in tilings:
     got = fm.grouped_fp4_matmul_mosaic(x, sizes, packed, tiles=tiles, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
     assert np.all(np.asarray(got)[36:] == 0)
@@ -533,17 +542,7 @@ def test_grouped_kernel_four_row_tiles_per_step():
 def test_grouped_kernel_two_row_tiles_chained():
   """Two 64-row tiles per 256-wide step (the grouped default at block_m 32, and down's at 16), every row unit of an
   expert chained in one block, two pass lanes; two warpgroups at block_m 16, one at 32."""
-  rng = np.random.default_rng(7)
-  e, n, k = 5, 512, 1024
-  w = _experts(rng, e, n, k, True)
-  sizes = jnp.asarray([9, 0, 20, 3, 4], jnp.int32)
-  x = jnp.asarray(rng.standard_normal((40, k)), jnp.bfloat16)
-  want = grouped.grouped_fp4_matmul_reference(x, sizes, w, out_dtype=jnp.float32)
-  packed = fm.pack_fragments(w)
-  for tiles in TWO_ROW_TILES_CHAINED:
-    got = fm.grouped_fp4_matmul_mosaic(x, sizes, packed, tiles=tiles, out_dtype=jnp.float32)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=str(tiles))
-    assert np.all(np.asarray(got)[36:] == 0)
+  _five_experts_match_reference(7, 1024, TWO_ROW_TILES_CHAINED)
 
 
 TWO_ROW_TILES_CHAINED = (
