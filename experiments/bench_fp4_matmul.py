@@ -34,7 +34,7 @@ any backend without device streams): the median wall clock of the repetitions.
 Bytes are what the op must read and write: weights (codes + scales for FP4; for grouped only the
 experts that got rows, mean over the routings) + activations + output. GB/s is bytes / time,
 against the measured copy bandwidth of the device (a device-to-device copy of 2 GiB: read + write)
-("%copy") and the nominal 4.8 TB/s ("%peak").
+("%copy") and the device's nominal HBM bandwidth ("%peak": 4.8 TB/s on an H200, 3.35 on an H100 SXM; NOMINAL_BW).
 
 With requirements-gpu-compile.txt installed, each row also gets the kernel's static figures
 (`pallas_kernels.gpu_compile`, compiled for sm_90a: launches per call, registers, SASS instructions
@@ -73,7 +73,16 @@ from pallas_kernels import fp4_mosaic as mosaic  # noqa: E402
 from pallas_kernels import grouped_fp4_matmul as grouped  # noqa: E402
 from trace_jax import fp4  # noqa: E402
 
-NOMINAL_BW = 4.8e12  # H200 HBM3e
+# Nominal HBM bandwidth by device kind (jax's device_kind), first match: the "%peak" column's denominator. An
+# unlisted device gets no %peak (the measured copy bandwidth, "%copy", is there either way).
+NOMINAL_BW = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12))
+
+
+def nominal_bandwidth(device_kind: str) -> float:
+  """Bytes per second of the device's HBM by its spec sheet, NaN for a device not in NOMINAL_BW."""
+  return next((bw for name, bw in NOMINAL_BW if name in device_kind), float("nan"))
+
+
 GOAL = 2.5
 
 DENSE_CONFIGS = [  # --sweep: tried on top of the defaults
@@ -136,6 +145,7 @@ class Setup:
   reps: int
   calls: int  # op calls per timed dispatch
   device_time: bool = False  # time the kernels on the device (profiler trace) instead of the wall clock
+  nominal_bw: float = float("nan")  # the device's nominal HBM bytes per second (nominal_bandwidth)
 
 
 def _median_seconds(fn, args, setup: Setup) -> float:
@@ -254,7 +264,7 @@ def bench_dense(setup: Setup, copy_bw: float, sweep: bool, report: Report):
     row += [f"{100 * fp4_bytes / best / copy_bw:.0f}", _us(ptx_t), f"{fp4_bytes / ptx_t / 1e9:.0f}", _us(w4a4_t)]
     row += [f"{bf16_t / best:.2f}x", f"{bf16_bytes / copy_bw / best:.2f}x", f"{err:.1e}", f"{ptx_err:.1e}"]
     figures = static_figures("dense", m, n, k, not setup.interpret)
-    row += [f"{100 * fp4_bytes / best / NOMINAL_BW:.0f}"]
+    row += [f"{100 * fp4_bytes / best / setup.nominal_bw:.0f}"]
     row += ["n/a" if not figures or "error" in figures else figures["instructions_per_weight"]]
     mosaic_figures = static_figures("mosaic_fp4", m, n, k, False)
     row += [_us(mosaic_t), f"{fp4_bytes / mosaic_t / 1e9:.0f}", f"{mosaic_err:.1e}"]
@@ -266,7 +276,7 @@ def bench_dense(setup: Setup, copy_bw: float, sweep: bool, report: Report):
            bf16_gbps=bf16_bytes / bf16_t / 1e9, w4a16_us=w4a16_t * 1e6, w4a16_gbps=fp4_bytes / w4a16_t / 1e9,
            pct_copy=100 * fp4_bytes / best / copy_bw, ptx_us=ptx_t * 1e6, ptx_gbps=fp4_bytes / ptx_t / 1e9,
            w4a4_us=w4a4_t * 1e6, speedup=bf16_t / best, vs_roof=bf16_bytes / copy_bw / best, err=err, ptx_err=ptx_err,
-           pct_peak=100 * fp4_bytes / best / NOMINAL_BW, static=figures, mosaic_us=mosaic_t * 1e6,
+           pct_peak=100 * fp4_bytes / best / setup.nominal_bw, static=figures, mosaic_us=mosaic_t * 1e6,
            mosaic_gbps=fp4_bytes / mosaic_t / 1e9, mosaic_err=mosaic_err, mosaic_static=mosaic_figures),
     )  # fmt: skip
     if sweep and (k == shapes[0][1]):
@@ -367,7 +377,7 @@ def bench_grouped(setup: Setup, copy_bw: float, sweep: bool, report: Report):
       ipw = "n/a" if not figures or "error" in figures else figures["instructions_per_weight"]
       row = [name, tokens, rows, f"{active:.0f}", _us(bf16_t), f"{bf16_bytes / bf16_t / 1e9:.0f}", _us(fp4_t)]
       row += [f"{fp4_bytes / fp4_t / 1e9:.0f}", f"{100 * fp4_bytes / best / copy_bw:.0f}"]
-      row += [f"{100 * fp4_bytes / best / NOMINAL_BW:.0f}", _us(ptx_t), f"{bf16_t / best:.2f}x", _us(xla_t)]
+      row += [f"{100 * fp4_bytes / best / setup.nominal_bw:.0f}", _us(ptx_t), f"{bf16_t / best:.2f}x", _us(xla_t)]
       row += [f"{err:.1e}", f"{ptx_err:.1e}", ipw, _us(mosaic_t), f"{mosaic_err:.1e}"]
       mosaic_figures = static_figures("mosaic_fp4", rows, n, k, False, **shape)
       row += ["n/a" if not mosaic_figures or "error" in mosaic_figures else mosaic_figures["instructions_per_weight"]]
@@ -377,7 +387,7 @@ def bench_grouped(setup: Setup, copy_bw: float, sweep: bool, report: Report):
         dict(layer=name, experts=num_experts, top_k=top_k, n=n, k=k, tokens=tokens, rows=rows, active_experts=active,
              bf16_bytes=bf16_bytes, fp4_bytes=fp4_bytes, bf16_us=bf16_t * 1e6, bf16_gbps=bf16_bytes / bf16_t / 1e9,
              fp4_us=fp4_t * 1e6, fp4_gbps=fp4_bytes / fp4_t / 1e9, pct_copy=100 * fp4_bytes / best / copy_bw,
-             pct_peak=100 * fp4_bytes / best / NOMINAL_BW, ptx_us=ptx_t * 1e6, speedup=bf16_t / best,
+             pct_peak=100 * fp4_bytes / best / setup.nominal_bw, ptx_us=ptx_t * 1e6, speedup=bf16_t / best,
              xla_ragged_dot_us=xla_t * 1e6, speedup_vs_xla=xla_t / best, err=err, ptx_err=ptx_err, static=figures,
              mosaic_us=mosaic_t * 1e6, mosaic_err=mosaic_err, mosaic_static=mosaic_figures),
       )  # fmt: skip
@@ -404,22 +414,28 @@ def main(argv=None):
   backend = jax.default_backend()
   if not args.smoke and backend != "gpu":
     sys.exit(f"No GPU (JAX backend: {backend}). Run with --smoke for a functional check in interpret mode.")
+  device_kind = jax.devices()[0].device_kind
+  nominal_bw = nominal_bandwidth(device_kind)
   if args.smoke:
-    setup = Setup(smoke=True, interpret=True, reps=2, calls=2)
+    setup = Setup(smoke=True, interpret=True, reps=2, calls=2, nominal_bw=nominal_bw)
     print(f"SMOKE MODE on {backend}: tiny shapes, Pallas interpret mode. Timings are NOT meaningful;")
     print("this checks that the benchmark runs end to end and that the kernels match their references.")
   else:
-    setup = Setup(smoke=False, interpret=False, reps=args.reps, calls=args.calls, device_time=True)
-  print(f"jax {jax.__version__}, device: {jax.devices()[0].device_kind} ({backend})")
+    setup = Setup(
+      smoke=False, interpret=False, reps=args.reps, calls=args.calls, device_time=True, nominal_bw=nominal_bw
+    )
+  print(f"jax {jax.__version__}, device: {device_kind} ({backend})")
   report.set(
-    jax=jax.__version__, backend=backend, device=jax.devices()[0].device_kind, smoke=setup.smoke,
-    interpret=setup.interpret, reps=setup.reps, calls=setup.calls, goal_speedup=GOAL, nominal_bw_gbps=NOMINAL_BW / 1e9,
+    jax=jax.__version__, backend=backend, device=device_kind, smoke=setup.smoke,
+    interpret=setup.interpret, reps=setup.reps, calls=setup.calls, goal_speedup=GOAL, nominal_bw_gbps=nominal_bw / 1e9,
     timing="device: kernels on the GPU's streams (profiler, 5 calls)" if setup.device_time else "wall clock, median",
     units="us: microseconds per op call (median); gbps: GB/s; err: max |kernel - reference| / max |reference|",
   )  # fmt: skip
 
   copy_bw = measure_copy_bandwidth(setup)
-  print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s measured; nominal {NOMINAL_BW / 1e9:.0f} GB/s")
+  print(
+    f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s measured; nominal {nominal_bw / 1e9:.0f} GB/s ({device_kind})"
+  )
   report.set(copy_bw_gbps=copy_bw / 1e9)
   if args.only in (None, "dense"):
     bench_dense(setup, copy_bw, args.sweep, report)

@@ -211,3 +211,14 @@ def test_device_time_measures_a_cpu_call():
   m = device_time.measure(f, (jnp.ones((64, 64)),), reps=3, profile_reps=2)
   assert m.wall_us > 0 and m.device_us is None and m.kernels == {}
   assert any(line.startswith("/host:CPU") for line in m.lines)  # the trace was read
+
+
+def test_nominal_bandwidth_follows_the_device_kind():
+  """%peak divides by the device's own HBM figure: an H100 SXM's 3.35 TB/s, not the H200's 4.8 (jax's
+  device_kind strings); a device not listed gets NaN (no %peak) rather than another device's figure."""
+  bw = bench_fp4_matmul.nominal_bandwidth
+  assert bw("NVIDIA H200") == 4.8e12
+  assert bw("NVIDIA H100 80GB HBM3") == 3.35e12
+  assert bw("NVIDIA H100 PCIe") == 2.0e12
+  assert bw("NVIDIA H100 NVL") == 3.9e12
+  assert np.isnan(bw("NVIDIA A100-SXM4-80GB")) and np.isnan(bw("cpu"))
