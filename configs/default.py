@@ -15,6 +15,25 @@ import ml_collections
 from configs import models
 from trace_jax import config as config_lib
 
+# The smallest run, as overrides (sweep.configure / --config.FIELD): the smallest model NVFP4 applies to
+# (contraction dims multiples of 16), 2 layers so that TRACE guides one and measures the other, 2 prompts x 2
+# generations, 2 SFT steps. The tests' runs (tests/tiny.py TINY) and the benchmarks' and long-horizon
+# experiment's --smoke runs start from it.
+SMOKE = {
+  "model.hidden_size": 32,
+  "model.num_layers": 2,
+  "model.num_heads": 2,
+  "model.num_kv_heads": 1,
+  "model.head_dim": 16,
+  "model.num_experts": 4,
+  "model.num_experts_per_tok": 2,
+  "model.moe_intermediate_size": 16,
+  "batch_prompts": 2,
+  "rl.num_generations": 2,
+  "sft.steps": 2,
+  "sft.batch_size": 8,
+}
+
 
 def parse_arg(arg: str) -> dict[str, str]:
   """'trace,model=tiny' -> {'mode': 'trace', 'model': 'tiny'} (a bare word is the mode)."""

@@ -63,20 +63,9 @@ from experiments import sweep  # noqa: E402
 from trace_jax.metrics_writer import read_metrics  # noqa: E402
 
 SMOKE = {  # the tests' tiny run (tests/tiny.py TINY), so that a test shares its compiled programs
-  "model.hidden_size": 32,
-  "model.num_layers": 2,
-  "model.num_heads": 2,
-  "model.num_kv_heads": 1,
-  "model.head_dim": 16,
-  "model.num_experts": 4,
-  "model.num_experts_per_tok": 2,
-  "model.moe_intermediate_size": 16,
-  "batch_prompts": 2,
-  "rl.num_generations": 2,
+  **default.SMOKE,
   "rl.kl_coef": 0.05,
   "rollout.max_new_tokens": 8,
-  "sft.steps": 2,
-  "sft.batch_size": 8,
   "data.num_train": 500,
   "data.num_test": 50,
 }

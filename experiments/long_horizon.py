@@ -30,7 +30,7 @@ import os
 
 import numpy as np
 
-from configs import long_horizon
+from configs import default, long_horizon
 from experiments import plotting, sweep
 
 SETTINGS = {
@@ -54,19 +54,8 @@ HEADERS = {
   "last:routing_agreement": "routing agreement",
   "last:guidance/bytes_per_token": "guidance B/token",
 }
-SMOKE = {  # the tests' tiny model (tests/tiny.py), 2 steps
-  "model.hidden_size": 32,
-  "model.num_layers": 2,
-  "model.num_heads": 2,
-  "model.num_kv_heads": 1,
-  "model.head_dim": 16,
-  "model.num_experts": 4,
-  "model.num_experts_per_tok": 2,
-  "model.moe_intermediate_size": 16,
-  "batch_prompts": 2,
-  "rl.num_generations": 2,
-  "sft.steps": 2,
-  "sft.batch_size": 8,
+SMOKE = {  # configs/default.py's smallest run, 2 steps
+  **default.SMOKE,
   "steps": 2,
   "checkpoint_every": 2,
   "eval_every": 2,

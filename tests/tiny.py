@@ -3,7 +3,7 @@ shared by the tests that run the RL loop end to end (train, experiments)."""
 
 import dataclasses
 
-from configs import models
+from configs import default, models
 from trace_jax.config import ModelConfig, model_config
 
 
@@ -17,23 +17,12 @@ def tiny_model(**overrides) -> ModelConfig:
   return dataclasses.replace(model_config(models.tiny()), **{"num_layers": 2, **overrides})
 
 
-# The smallest model NVFP4 applies to (contraction dims multiples of 16), 2 layers so that
-# TRACE guides one and measures the other. 4 steps, checkpoints at 0, 2, 4, eval at 4.
+# configs/default.py's smallest run (SMOKE: the smallest model NVFP4 applies to, 2 layers so that TRACE guides
+# one and measures the other), with a KL anchor, 8 new tokens, 4 steps, checkpoints at 0, 2, 4, eval at 4.
 TINY = {
-  "model.hidden_size": 32,
-  "model.num_layers": 2,
-  "model.num_heads": 2,
-  "model.num_kv_heads": 1,
-  "model.head_dim": 16,
-  "model.num_experts": 4,
-  "model.num_experts_per_tok": 2,
-  "model.moe_intermediate_size": 16,
-  "batch_prompts": 2,
-  "rl.num_generations": 2,
+  **default.SMOKE,
   "rl.kl_coef": 0.05,  # a KL anchor, so that resuming must restore the reference policy too
   "rollout.max_new_tokens": 8,
-  "sft.steps": 2,
-  "sft.batch_size": 8,
   "steps": 4,
   "checkpoint_every": 2,
   "eval_every": 4,
