@@ -73,6 +73,7 @@ class Case:
   kind: str  # dense | grouped | grouped_bf16 (the benchmark's baseline: the same kernel on bf16 weights)
   #            | mosaic_int8 (jax's own Mosaic GPU int8 x bf16 matmul, weights decoded in registers: a reference)
   #            | mosaic_fp4 (pallas_kernels/fp4_mosaic.py: weights packed as wgmma fragments; experts > 0: grouped)
+  #            | engine, engine_loop (a rollout engine decode step's launches: _engine_row)
   m: int  # rows of x (grouped: tokens x top_k)
   n: int
   k: int
@@ -153,7 +154,7 @@ def cases(which: str) -> list[Case]:
   # x multicast to clusters of 2 (not the default; timed next on a GPU): at M = 16 the default tiles are at L2 time
   out += [Case("mosaic_fp4", m, 8192, 8192, compute_wgs=wgs, cluster=2) for m, wgs in ((8, 2), (16, 1), (16, 2))]
   out += [Case("mosaic_int8", m, 8192, 8192, fmt="int8") for m in (16, 64)]
-  return out + [Case("engine", 64, 2048, 768, experts=128, tokens=64)]
+  return out + [Case(kind, 64, 2048, 768, experts=128, tokens=64) for kind in ENGINE_KINDS]
 
 
 def _weight(case: Case):
@@ -223,15 +224,27 @@ def _mosaic_int8_matmul(case: Case):
 
 
 ENGINE_LAYERS = 2
+ENGINE_KINDS = ("engine", "engine_loop")
+
+
+ENGINE_PROMPT, ENGINE_NEW_TOKENS = 16, 32  # engine_loop: prompts of 16 tokens, 32 new (the loop's trips)
 
 
 def _engine_row(case: Case) -> dict:
-  """One decode step of the rollout engine (`rollout.decode_step`, `case.tokens` sequences, a 1024-slot
-  FP4 KV cache) on a Qwen3-30B-A3B-shaped model of ENGINE_LAYERS layers (hidden n, 128 experts of
-  moe_intermediate k, top-8) with NVFP4 experts in the Mosaic kernel's layout, as `generate` runs it on
-  Hopper: the launches per step, and the Mosaic GPU calls among them (2 per MoE layer: gate and up as one weight, then down)."""
-  from trace_jax import model, rollout
-  from trace_jax.config import ModelConfig, QuantConfig, RolloutConfig
+  """A decode step of the rollout engine (`case.tokens` sequences) on a Qwen3-30B-A3B-shaped model of
+  ENGINE_LAYERS layers (hidden n, 128 experts of moe_intermediate k, top-8) with NVFP4 experts in the Mosaic
+  kernel's layout, as on Hopper: its launches, and the copies and Mosaic GPU calls among them (2 per MoE
+  layer: gate and up as one weight, then down).
+  kind "engine": `rollout.decode_step` alone (a 1024-slot FP4 KV cache), the caches donated, as `generate`'s
+  while loop carries them and XLA updates them in place (without donation the step copies each cache it
+  writes first: 9 more copies at 2 layers).
+  kind "engine_loop": `generate` itself (ENGINE_PROMPT + ENGINE_NEW_TOKENS slots), one trip of its decode loop
+  (condition and body): the step above plus sampling, the token and log-prob writes and the guidance records."""
+  from unittest import mock  # noqa: PLC0415
+
+  import pallas_kernels  # noqa: PLC0415
+  from trace_jax import model, rollout  # noqa: PLC0415
+  from trace_jax.config import ModelConfig, QuantConfig, RolloutConfig, SamplingConfig  # noqa: PLC0415
 
   cfg = ModelConfig(
     vocab_size=4096,
@@ -249,25 +262,37 @@ def _engine_row(case: Case) -> dict:
   params = jax.eval_shape(
     lambda: rollout.weight_sync(model.init_params(cfg, jax.random.key(0)), quant, expert_layout="fragments")
   )
-  b, slots = case.tokens, 1024
-  caches = jax.eval_shape(lambda: rollout.init_cache(cfg, b, slots, quant, jnp.bfloat16, decoded=False))
-  step = functools.partial(rollout.decode_step, model_config=cfg, rollout_config=config)
+  b = case.tokens
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  program = gpu_compile.compile_for_h200(
-    step, params, i32(b, 1), caches, i32(), i32(b, 1), i32(b, slots), kernel_names=("",)
-  )
-  names = [launch.name for launch in program.launches]
+  if case.kind == "engine_loop":
+    sampling = SamplingConfig(max_new_tokens=ENGINE_NEW_TOKENS)
+    fn = functools.partial(rollout.generate, model_config=cfg, rollout_config=config, sampling=sampling)
+    prompts, key = i32(b, ENGINE_PROMPT), jax.eval_shape(lambda: jax.random.key(0))
+    # generate picks the Mosaic layout on Hopper: the program is compiled for an H200, this process runs on a CPU
+    with mock.patch.object(pallas_kernels, "is_hopper", lambda: True):
+      program = gpu_compile.compile_for_h200(fn, params, prompts, prompts, key, kernel_names=("",))
+    launches = program.loop_launches
+  else:
+    slots = 1024
+    caches = jax.eval_shape(lambda: rollout.init_cache(cfg, b, slots, quant, jnp.bfloat16, decoded=False))
+    step = functools.partial(rollout.decode_step, model_config=cfg, rollout_config=config)
+    program = gpu_compile.compile_for_h200(
+      step, params, i32(b, 1), caches, i32(), i32(b, 1), i32(b, slots), kernel_names=("",), donate_argnums=(2,)
+    )
+    launches = program.launches
+  names = [launch.name for launch in launches]
   return dict(
     **dataclasses.asdict(case),
     layers=ENGINE_LAYERS,
     launches=len(names),
     launch_names=names,
     mosaic_calls=names.count("kCustomCall"),
+    copies=names.count("kCopy"),
   )
 
 
 def report_row(case: Case) -> dict:
-  if case.kind == "engine":
+  if case.kind in ENGINE_KINDS:
     return _engine_row(case)
   if case.kind == "mosaic_int8":
     return _mosaic_int8_row(case)
@@ -402,9 +427,9 @@ def markdown(rows: list[dict]) -> str:
     "| instr./weight | x from L2 / weights | issue / memory / L2 time | predicted vs bf16 |\n|" + "---|" * 13
   )
   lines = [head]
-  engine = [r for r in rows if r["kind"] == "engine"]
+  engine = [r for r in rows if r["kind"] in ENGINE_KINDS]
   for r in rows:
-    if r["kind"] == "engine":
+    if r["kind"] in ENGINE_KINDS:
       continue
     t = r["tiles"]
     shape = f"M={r['m']} N={r['n']} K={r['k']}"
@@ -427,10 +452,11 @@ def markdown(rows: list[dict]) -> str:
       f"{roof['issue']:.1f} / {roof['memory']:.1f} / {roof['l2']:.1f} us | {r['predicted_speedup']}x |"
     )
   if engine:
-    lines += ["", "| engine decode step | launches | Mosaic GPU calls |", "|---|---|---|"]
+    lines += ["", "| engine decode step | launches | copies | Mosaic GPU calls |", "|---|---|---|---|"]
     for r in engine:
       shape = f"{r['tokens']} seq, {r['layers']} layers, hidden {r['n']}, {r['experts']} experts of {r['k']}, top-8"
-      lines.append(f"| {shape} | {r['launches']} | {r['mosaic_calls']} |")
+      how = "one trip of `generate`'s loop" if r["kind"] == "engine_loop" else "`decode_step` alone, caches donated"
+      lines.append(f"| {how}: {shape} | {r['launches']} | {r.get('copies', '-')} | {r['mosaic_calls']} |")
   return "\n".join(lines) + "\n"
 
 
@@ -446,9 +472,10 @@ def main(argv=None):
   for case in cases("smoke" if args.smoke else args.cases):
     rows.append(report_row(case))
     r = rows[-1]
-    if r["kind"] == "engine":
+    if r["kind"] in ENGINE_KINDS:
       print(
-        f"engine step, {r['tokens']} seq x {r['layers']} layers: launches {r['launches']}, Mosaic calls {r['mosaic_calls']}"
+        f"{r['kind']} step, {r['tokens']} seq x {r['layers']} layers: launches {r['launches']}, copies {r['copies']}, "
+        f"Mosaic calls {r['mosaic_calls']}"
       )
       continue
     print(

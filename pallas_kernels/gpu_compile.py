@@ -126,6 +126,23 @@ def parse_launches(thunk_sequence: str) -> list[Launch]:
   return out
 
 
+def parse_loop_launches(thunk_sequence: str) -> list[Launch]:
+  """The launches of one trip of the first while loop in a `*.thunk_sequence.txt` dump: its condition's and
+  its body's (the dump lists them below the kWhile, indented, under "condition:" and "body:"); [] without a
+  loop. A loop nested in the body counts once."""
+  lines = thunk_sequence.splitlines()
+  start = next((i for i, line in enumerate(lines) if re.match(r"^\s*\d+:\s+kWhile\b", line)), None)
+  if start is None:
+    return []
+  indent = len(lines[start]) - len(lines[start].lstrip())
+  inside = []
+  for line in lines[start + 1 :]:
+    if line.strip() and len(line) - len(line.lstrip()) <= indent and re.match(r"^\s*\d+:", line):
+      break  # the next thunk at the loop's own level
+    inside.append(line)
+  return parse_launches("\n".join(inside))
+
+
 @dataclasses.dataclass(frozen=True)
 class Resources:
   """`ptxas -v` figures of one kernel."""
@@ -319,8 +336,9 @@ class KernelSass:
 
 @dataclasses.dataclass
 class CompiledProgram:
-  launches: list[Launch]
+  launches: list[Launch]  # every launch of one call, a while loop's condition and body once each
   kernels: dict[str, KernelSass]
+  loop_launches: list[Launch] = dataclasses.field(default_factory=list)  # one trip of its first while loop
 
 
 def _with_device(tree, device):
@@ -333,11 +351,12 @@ def _with_device(tree, device):
 
 
 def compile_for_h200(
-  fn, *args, kernel_names: tuple[str, ...] | None = None, keep_dir: str | None = None
+  fn, *args, kernel_names: tuple[str, ...] | None = None, keep_dir: str | None = None, donate_argnums=()
 ) -> CompiledProgram:
   """Compile `fn(*args)` (args: arrays or ShapeDtypeStructs, pytrees allowed) for an H200, and
   read the launches and the SASS of its matmul kernels (the `.entry` points of PTX files that
-  hold an MMA, or those named in `kernel_names`)."""
+  hold an MMA, or those named in `kernel_names`). donate_argnums: as jax.jit's, for arguments that
+  the caller updates in place (a loop's carry): without it XLA copies each one it writes."""
   if problems := missing():
     raise RuntimeError("deviceless GPU compile unavailable: " + "; ".join(problems))
   device = h200_device()
@@ -348,9 +367,12 @@ def compile_for_h200(
   try:
     # Never from a persistent compilation cache: a cache hit compiles nothing, so dumps nothing.
     with _mosaic_gpu_dump(mosaic_dump, work), _no_persistent_cache():
-      jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compile(compiler_options={"xla_dump_to": dump})
+      jax.jit(fn, donate_argnums=donate_argnums).trace(*args).lower(lowering_platforms=("cuda",)).compile(
+        compiler_options={"xla_dump_to": dump}
+      )
     [sequence] = glob.glob(os.path.join(dump, "*.thunk_sequence.txt"))
-    launches = parse_launches(pathlib.Path(sequence).read_text())
+    thunks = pathlib.Path(sequence).read_text()
+    launches = parse_launches(thunks)
     kernels = {}
     for ptx in sorted(glob.glob(os.path.join(dump, "*.ptx")) + glob.glob(os.path.join(mosaic_dump, "*.ptx"))):
       text = pathlib.Path(ptx).read_text()
@@ -358,7 +380,7 @@ def compile_for_h200(
         has_mma = re.search(r"\b(mma|wgmma)\.", text) is not None  # XLA's fusions have none
         if (kernel_names is None and has_mma) or (kernel_names and name in kernel_names):
           kernels[name] = _sass_of(ptx, name, work)
-    return CompiledProgram(launches, kernels)
+    return CompiledProgram(launches, kernels, parse_loop_launches(thunks))
   finally:
     if keep_dir is None:
       shutil.rmtree(work, ignore_errors=True)
