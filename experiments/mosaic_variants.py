@@ -18,7 +18,8 @@ tiles and the cluster of 2; grouped, 64 tokens top-8 of 128 experts, gate_up [15
 [2048, 768]: the default tiles (one block per expert and pass lane, its row units chained), at gate_up with
 two 64-row tiles per 256-wide step, with `early_exit` (a block without work ends after one load), with turns,
 and the Triton kernel of the same family on bf16 weights (`grouped_bf16_matmul`); the tensor cores' rate at
-the kernel's MMA shape (experiments/wgmma_rate.py: ns per wgmma m64 x N x k16 per SM, N = 8..256); gate_up
+the kernel's MMA shape (experiments/wgmma_rate.py: ns per wgmma m64 x N x k16 per SM, N = 8..256), and the
+same work as per-warp mma.sync m16n8k16 (2 or 4 accumulator chains a warp); gate_up
 where expert 0, then expert 120, takes two x tiles (an early and a late block in the grid); 256 tokens, with
 one tile at 512 at gate_up, with early exit and with one lane; M = 8, K = 32768, the same rows as at 8192 (a
 block's fixed cost and its steady rate). Every call reads its own weight copy (more than the 50 MB L2 in all).
@@ -267,6 +268,23 @@ def wgmma_rates(variants=wgmma_rate.VARIANTS):
       row["weights_per_ns_per_sm"] = round(wgmma_rate.ROWS * 16 / ns, 1)  # weights (m64 x k16) an instruction covers
 
 
+def mma_sync_rates(variants=wgmma_rate.MMA_SYNC_VARIANTS):
+  """The same work per SM as wgmma N = 16 (64 x 16 x k16 a unit) as per-warp mma.sync m16n8k16, in 2 or 4
+  accumulator chains per warp (wgmma_rate.mma_sync_rate_kernel): ns per unit, beside the wgmma rows. Faster
+  than wgmma at N = 16 would make mma.sync the next form of the kernel (README: the lead past the wgmma floor)."""
+  for accumulators, wgs in variants:
+    name = f"mma.sync rate N=16 wgs={wgs} accumulators={accumulators}"
+    if time.time() - T0 > BUDGET_S or log.done((name, None)):
+      continue
+    f = wgmma_rate.mma_sync_rate_kernel(accumulators, wgs=wgs)
+    with log.row(dict(name=name, wgs=wgs, accumulators=accumulators, reps=wgmma_rate.REPS)) as row:
+      m = device_time.measure(f, (jnp.ones(1, F),), reps=5, profile_reps=3)
+      row["wall_us"] = round(m.wall_us, 2)
+      row["device_us"] = None if m.device_us is None else round(m.device_us, 2)
+      ns = wgmma_rate.ns_per_instruction(row["device_us"] or row["wall_us"], reps=wgmma_rate.REPS, wgs=wgs)
+      row["ns_per_wgmma_equivalent_per_sm"] = round(ns, 2)
+
+
 # the questions that matter most first (BUDGET_S may stop the run): a dense call with the warpgroups taking turns
 # at the MMAs, and where its time goes (without the decode, and without decode and MMAs); M = 16, the issue's
 # largest decode shape, never timed (3 rows: the roofline's one shape below 2.5x); the MoE layers at decode,
@@ -319,6 +337,7 @@ dense(16, variants=[cluster_2(16, K, N)])
 # tiles, never timed with its units chained: one tile beside it.
 grouped(64, variants=[TWO_TILES, EARLY_EXIT, ("ping-pong issued", dict(ping_pong="issued"))])
 wgmma_rates()
+mma_sync_rates()
 grouped(64, two_pass=(0, 120))
 grouped(256, variants=[ONE_TILE, EARLY_EXIT, ("1 lane", dict(pass_lanes=1))])
 dense(8, k=32768, variants=candidates(8, 32768, N), diagnostics=True)

@@ -12,6 +12,12 @@ K = 256 (16 instructions) on its own accumulator, A from registers (as the FP4 k
 shared memory, B (the tokens) from shared memory, and a wgmma_wait(0) per call (as the kernel's step). No
 copies, no decode. mosaic_variants.py times it at N = 8..256 and reports ns per instruction per SM.
 
+`mma_sync_rate_kernel(accumulators, ...)` does the same work per SM as N = 16 with per-warp mma.sync m16n8k16
+(two per 16 of K), the form the packed weights would also serve (README: the lead past the wgmma floor), in 4
+or 2 accumulator chains per warp. Compiled here, ptxas issues the 4 chains' HMMAs back to back (256 in a loop of
+262 instructions) and pads the 2 chains' with 127 NOPs per 256 (each HMMA waits for its chain's previous one):
+a kernel of this form would keep 4 or more.
+
   python experiments/wgmma_rate.py --compile [--first]  # no GPU: compile for sm_90a, print SASS figures (~8 s each)
 """
 
@@ -88,6 +94,73 @@ def rate_kernel(n: int, *, reps: int = REPS, wgs: int = 2, a_in_smem: bool = Fal
   return jax.jit(call)
 
 
+MMA_SYNC_PTX = (
+  "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+  "{$10, $11, $12, $13};"
+)
+
+
+@functools.cache
+def mma_sync_rate_kernel(accumulators: int = 2, *, reps: int = REPS, wgs: int = 2, blocks: int = 132):
+  """The per-warp alternative at the FP4 kernel's shape (README: the lead past the wgmma floor): each warp of
+  `wgs` warpgroups per block loops `reps` times over the MMAs of one wgmma call's work, 64 x 16 x 256 per
+  warpgroup, as mma.sync m16n8k16 (bf16 in, f32 out): per warp 16 chunks of k16 x 2 halves of N = 16, 32
+  instructions, into `accumulators` chains of 4 f32 registers each (2: one per half of N, every chunk adding to
+  the same two, as a kernel with one accumulator per output would; 4: the even and odd chunks apart too, summed
+  at the end). A and B are registers made from the thread index (the kernel's A: decoded weights; its B, x's
+  fragments, would come from shared memory by ldmatrix, not timed here). ns_per_instruction(..) of its time
+  is per wgmma-equivalent (64 x 16 x k16), comparable with rate_kernel(16)'s. A jitted function of a float32
+  [1] scale returning f32 [blocks * wgs * 128] (each thread's sum, so that nothing is dead code)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, memref, scf
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  if accumulators not in (2, 4):
+    raise ValueError(f"mma_sync_rate_kernel: accumulators = {accumulators} must be 2 or 4.")
+
+  def body(_, scale, out_ref):
+    i32, f32, index = ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.IndexType.get()
+    thread = mgpu_utils.thread_idx()
+    operands = [arith.xori(thread, mgpu_utils.c(0x3F803F80 + i, i32)) for i in range(6)]  # bf16 pairs near 1
+    zero = arith.constant(f32, ir.FloatAttr.get(f32, 0.0))
+    four = llvm.StructType.get_literal([f32] * 4)
+    loop = scf.ForOp(
+      mgpu_utils.c(0, index), mgpu_utils.c(reps, index), mgpu_utils.c(1, index), [zero] * (4 * accumulators)
+    )
+    with ir.InsertionPoint(loop.body):
+      acc = list(loop.inner_iter_args)
+      for chunk in range(K_CALL // 16):
+        for half in range(2):
+          chain = half + 2 * (chunk % 2) * (accumulators == 4)
+          c = acc[4 * chain : 4 * chain + 4]
+          out = llvm.inline_asm(four, [*operands, *c], MMA_SYNC_PTX, "=f,=f,=f,=f," + "r," * 6 + "0,1,2,3")
+          acc[4 * chain : 4 * chain + 4] = [llvm.extractvalue(f32, out, [i]) for i in range(4)]
+      scf.yield_(acc)
+    total = loop.results[0]
+    for value in list(loop.results)[1:]:
+      total = arith.addf(total, value)
+    block = arith.index_cast(i32, mgpu_utils.gpu.block_id(mgpu_utils.gpu.Dimension.x))
+    slot = arith.addi(arith.muli(block, mgpu_utils.c(wgs * 128, i32)), thread)
+    memref.store(arith.mulf(total, scale.registers.flat[0]), out_ref, [arith.index_cast(index, slot)])
+
+  run = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT(shape=()), plgpu.RefType()))(body)
+
+  def kernel(scale_gmem, out_gmem):
+    run(scale_gmem[0], out_gmem)
+
+  call = plgpu.kernel(
+    kernel,
+    out_type=jax.ShapeDtypeStruct((blocks * wgs * 128,), jnp.float32),
+    grid=(blocks,),
+    grid_names=("b",),
+    num_threads=wgs,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(),
+  )
+  return jax.jit(call)
+
+
 def ns_per_instruction(device_us: float, *, reps: int, wgs: int, blocks: int = 132, sms: int = 132) -> float:
   """ns of an SM's time per wgmma instruction: a call's device time over the instructions each SM ran (the
   blocks spread evenly: one per SM at the default blocks = 132)."""
@@ -100,20 +173,24 @@ VARIANTS = ((16, 2, False), (8, 2, False), (32, 2, False), (64, 2, False), (128,
             (16, 1, False), (16, 2, True), (64, 2, True))  # fmt: skip
 
 
-def compiled(n: int, wgs: int, a_in_smem: bool) -> dict:
-  """SASS figures of one variant compiled for sm_90a without a GPU (pallas_kernels/gpu_compile.py)."""
+# (accumulator chains per warp, warpgroups) of mma_sync_rate_kernel
+MMA_SYNC_VARIANTS = ((4, 2), (2, 2))
+
+
+def compiled(n: int, wgs: int, a_in_smem: bool, accumulators: int = 0) -> dict:
+  """SASS figures of one variant compiled for sm_90a without a GPU (pallas_kernels/gpu_compile.py);
+  accumulators > 0: mma_sync_rate_kernel's (n = 16 always)."""
   from pallas_kernels import gpu_compile
 
-  program = gpu_compile.compile_for_h200(
-    rate_kernel(n, wgs=wgs, a_in_smem=a_in_smem), jax.ShapeDtypeStruct((1,), jnp.float32)
-  )
+  f = mma_sync_rate_kernel(accumulators, wgs=wgs) if accumulators else rate_kernel(n, wgs=wgs, a_in_smem=a_in_smem)
+  program = gpu_compile.compile_for_h200(f, jax.ShapeDtypeStruct((1,), jnp.float32))
   [kernel] = program.kernels.values()
-  shapes = sorted(set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", kernel.sass)))
+  shapes = sorted(set(re.findall(r"H[G]?MMA\.(\w+)\.", kernel.sass)))
   return dict(
-    n=n, wgs=wgs, a_in_smem=a_in_smem, launches=len(program.launches), registers=kernel.resources.registers,
-    spill_bytes=kernel.resources.spill_stores + kernel.resources.spill_loads,
+    n=n, wgs=wgs, a_in_smem=a_in_smem, accumulators=accumulators, launches=len(program.launches),
+    registers=kernel.resources.registers, spill_bytes=kernel.resources.spill_stores + kernel.resources.spill_loads,
     loop_mmas=sum(op in gpu_compile.MMA_OPCODES for op in kernel.loop), loop_instructions=len(kernel.loop),
-    hgmma_shapes=shapes,
+    loop_nops=kernel.loop.count("NOP"), mma_shapes=shapes,
   )  # fmt: skip
 
 
@@ -126,6 +203,8 @@ def main(argv=None):
     p.error("on a GPU, experiments/mosaic_variants.py times these kernels; here, --compile")
   for variant in VARIANTS[:1] if args.first else VARIANTS:
     print(json.dumps(compiled(*variant)), flush=True)
+  for accumulators, wgs in MMA_SYNC_VARIANTS[:1] if args.first else MMA_SYNC_VARIANTS:
+    print(json.dumps(compiled(16, wgs, False, accumulators)), flush=True)
 
 
 if __name__ == "__main__":

@@ -428,16 +428,22 @@ def test_mosaic_fp4_cluster(rows):
 
 @needs_toolchain
 def test_wgmma_rate_kernel_compiles():
-  """The tensor-core rate probe that mosaic_variants.py times on a GPU (experiments/wgmma_rate.py) issues the FP4
-  kernel's MMA: HGMMA 64x16x16 with A from registers, in chains of 16 (one wgmma call of K = 256) in its loop."""
+  """The tensor-core rate probes that mosaic_variants.py times on a GPU (experiments/wgmma_rate.py): the FP4 kernel's
+  MMA, HGMMA 64x16x16 with A from registers, in chains of 16 (one wgmma call of K = 256) in its loop; and the same
+  work as per-warp mma.sync (HMMA.16816, 32 a warp per call) in 4 accumulator chains, which ptxas issues back to
+  back (with 2 chains it pads the loop with 127 NOPs per 256 HMMA: each waits for its chain's previous one)."""
   env = gpu_compile_env()
   cmd = [sys.executable, "experiments/wgmma_rate.py", "--compile", "--first"]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  row = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert (row["n"], row["wgs"], row["a_in_smem"]) == (16, 2, False)
-  assert row["launches"] == 1 and row["spill_bytes"] == 0 and row["hgmma_shapes"] == ["64x16x16"]
-  assert row["loop_mmas"] > 0 and row["loop_mmas"] % 16 == 0
+  wgmma, mma_sync = (json.loads(line) for line in proc.stdout.strip().splitlines()[-2:])
+  assert (wgmma["n"], wgmma["wgs"], wgmma["a_in_smem"], wgmma["accumulators"]) == (16, 2, False, 0)
+  assert wgmma["launches"] == 1 and wgmma["spill_bytes"] == 0 and wgmma["mma_shapes"] == ["64x16x16"]
+  assert wgmma["loop_mmas"] > 0 and wgmma["loop_mmas"] % 16 == 0
+  assert (mma_sync["wgs"], mma_sync["accumulators"]) == (2, 4)
+  assert mma_sync["launches"] == 1 and mma_sync["spill_bytes"] == 0 and mma_sync["mma_shapes"] == ["16816"]
+  assert mma_sync["loop_mmas"] > 0 and mma_sync["loop_mmas"] % 32 == 0
+  assert mma_sync["loop_nops"] <= 1 and mma_sync["loop_instructions"] < 1.05 * mma_sync["loop_mmas"]
 
 
 @needs_toolchain
