@@ -75,7 +75,13 @@ from trace_jax import fp4  # noqa: E402
 
 # Nominal HBM bandwidth by device kind (jax's device_kind), first match: the "%peak" column's denominator. An
 # unlisted device gets no %peak (the measured copy bandwidth, "%copy", is there either way).
-NOMINAL_BW = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12))
+NOMINAL_BW = (
+  ("GH200", float("nan")),  # HBM3 or HBM3e (4.0 or 4.9 TB/s): the name does not say which
+  ("H200", 4.8e12),
+  ("H100 PCIe", 2.0e12),
+  ("H100 NVL", 3.9e12),
+  ("H100", 3.35e12),
+)
 
 
 def nominal_bandwidth(device_kind: str) -> float:

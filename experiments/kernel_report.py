@@ -227,7 +227,7 @@ ENGINE_LAYERS = 2
 ENGINE_KINDS = ("engine", "engine_loop")
 
 
-ENGINE_PROMPT, ENGINE_NEW_TOKENS = 16, 32  # engine_loop: prompts of 16 tokens, 32 new (the loop's trips)
+ENGINE_PROMPT, ENGINE_NEW_TOKENS = 16, 32  # engine_loop: prompts of 16 tokens, 32 new (the first from the prefill)
 
 
 def _engine_row(case: Case) -> dict:
@@ -238,13 +238,14 @@ def _engine_row(case: Case) -> dict:
   kind "engine": `rollout.decode_step` alone (a 1024-slot FP4 KV cache), the caches donated, as `generate`'s
   while loop carries them and XLA updates them in place (without donation the step copies each cache it
   writes first: 9 more copies at 2 layers).
-  kind "engine_loop": `generate` itself (ENGINE_PROMPT + ENGINE_NEW_TOKENS slots), one trip of its decode loop
-  (condition and body): the step above plus sampling, the token and log-prob writes and the guidance records."""
-  from unittest import mock  # noqa: PLC0415
+  kind "engine_loop": `generate` itself (a cache of ENGINE_PROMPT + ENGINE_NEW_TOKENS = 48 slots), one trip of its
+  decode loop (condition and body): the step above plus sampling, the token and log-prob writes and the guidance
+  records."""
+  from unittest import mock
 
-  import pallas_kernels  # noqa: PLC0415
-  from trace_jax import model, rollout  # noqa: PLC0415
-  from trace_jax.config import ModelConfig, QuantConfig, RolloutConfig, SamplingConfig  # noqa: PLC0415
+  import pallas_kernels
+  from trace_jax import model, rollout
+  from trace_jax.config import ModelConfig, QuantConfig, RolloutConfig, SamplingConfig
 
   cfg = ModelConfig(
     vocab_size=4096,
@@ -281,6 +282,8 @@ def _engine_row(case: Case) -> dict:
     )
     launches = program.launches
   names = [launch.name for launch in launches]
+  if names.count("kCustomCall") != 2 * ENGINE_LAYERS:  # e.g. a loop other than the decode loop was counted
+    raise RuntimeError(f"{case.kind}: {names.count('kCustomCall')} Mosaic calls, not 2 per layer: {names}")
   return dict(
     **dataclasses.asdict(case),
     layers=ENGINE_LAYERS,
@@ -455,7 +458,11 @@ def markdown(rows: list[dict]) -> str:
     lines += ["", "| engine decode step | launches | copies | Mosaic GPU calls |", "|---|---|---|---|"]
     for r in engine:
       shape = f"{r['tokens']} seq, {r['layers']} layers, hidden {r['n']}, {r['experts']} experts of {r['k']}, top-8"
-      how = "one trip of `generate`'s loop" if r["kind"] == "engine_loop" else "`decode_step` alone, caches donated"
+      how = (
+        "one trip of `generate`'s loop (48-slot cache)"
+        if r["kind"] == "engine_loop"
+        else "`decode_step` alone (1024 slots, caches donated)"
+      )
       lines.append(f"| {how}: {shape} | {r['launches']} | {r.get('copies', '-')} | {r['mosaic_calls']} |")
   return "\n".join(lines) + "\n"
 

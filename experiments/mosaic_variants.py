@@ -69,6 +69,7 @@ log = device_time.RowLog(  # a row past ROW_S ends the process; RESUME=1 records
   key=lambda r: (r["name"], r.get("M")),
 )
 print(jax.__version__, jax.devices(), flush=True)
+SM_COUNT = getattr(jax.devices()[0], "core_count", 132)  # the rate probes' blocks: one per SM (132 on an H200)
 
 
 def multi(op):  # one jitted call running op over every weight copy (no XLA merging: distinct buffers)
@@ -258,30 +259,36 @@ def wgmma_rates(variants=wgmma_rate.VARIANTS):
     name = f"wgmma rate N={n} wgs={wgs} A in " + ("smem" if a_in_smem else "registers")
     if time.time() - T0 > BUDGET_S or log.done((name, None)):
       continue
-    f = wgmma_rate.rate_kernel(n, wgs=wgs, a_in_smem=a_in_smem)
+    f = wgmma_rate.rate_kernel(n, wgs=wgs, a_in_smem=a_in_smem, blocks=SM_COUNT)
     with log.row(dict(name=name, n=n, wgs=wgs, a_in_smem=a_in_smem, reps=wgmma_rate.REPS)) as row:
       m = device_time.measure(f, (jnp.ones(1, F),), reps=5, profile_reps=3)
       row["wall_us"] = round(m.wall_us, 2)
       row["device_us"] = None if m.device_us is None else round(m.device_us, 2)
-      ns = wgmma_rate.ns_per_instruction(row["device_us"] or row["wall_us"], reps=wgmma_rate.REPS, wgs=wgs)
+      ns = wgmma_rate.ns_per_instruction(
+        row["device_us"] or row["wall_us"], reps=wgmma_rate.REPS, wgs=wgs, blocks=SM_COUNT, sms=SM_COUNT
+      )
       row["ns_per_wgmma_per_sm"] = round(ns, 2)
       row["weights_per_ns_per_sm"] = round(wgmma_rate.ROWS * 16 / ns, 1)  # weights (m64 x k16) an instruction covers
 
 
 def mma_sync_rates(variants=wgmma_rate.MMA_SYNC_VARIANTS):
   """The same work per SM as wgmma N = 16 (64 x 16 x k16 a unit) as per-warp mma.sync m16n8k16, in 2 or 4
-  accumulator chains per warp (wgmma_rate.mma_sync_rate_kernel): ns per unit, beside the wgmma rows. Faster
-  than wgmma at N = 16 would make mma.sync the next form of the kernel (README: the lead past the wgmma floor)."""
+  accumulator chains per warp (wgmma_rate.mma_sync_rate_kernel): ns per unit, beside the wgmma rows. Its operands
+  stay in registers: a kernel of this form would also load x's fragments from shared memory (an ldmatrix per 16 of
+  K per warp), which wgmma reads itself. Clearly faster than wgmma at N = 16 would make that kernel worth building
+  (README: the lead past the wgmma floor)."""
   for accumulators, wgs in variants:
     name = f"mma.sync rate N=16 wgs={wgs} accumulators={accumulators}"
     if time.time() - T0 > BUDGET_S or log.done((name, None)):
       continue
-    f = wgmma_rate.mma_sync_rate_kernel(accumulators, wgs=wgs)
+    f = wgmma_rate.mma_sync_rate_kernel(accumulators, wgs=wgs, blocks=SM_COUNT)
     with log.row(dict(name=name, wgs=wgs, accumulators=accumulators, reps=wgmma_rate.REPS)) as row:
       m = device_time.measure(f, (jnp.ones(1, F),), reps=5, profile_reps=3)
       row["wall_us"] = round(m.wall_us, 2)
       row["device_us"] = None if m.device_us is None else round(m.device_us, 2)
-      ns = wgmma_rate.ns_per_instruction(row["device_us"] or row["wall_us"], reps=wgmma_rate.REPS, wgs=wgs)
+      ns = wgmma_rate.ns_per_instruction(
+        row["device_us"] or row["wall_us"], reps=wgmma_rate.REPS, wgs=wgs, blocks=SM_COUNT, sms=SM_COUNT
+      )
       row["ns_per_wgmma_equivalent_per_sm"] = round(ns, 2)
 
 

@@ -122,19 +122,20 @@ def mma_sync_rate_kernel(accumulators: int = 2, *, reps: int = REPS, wgs: int = 
   def body(_, scale, out_ref):
     i32, f32, index = ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.IndexType.get()
     thread = mgpu_utils.thread_idx()
-    operands = [arith.xori(thread, mgpu_utils.c(0x3F803F80 + i, i32)) for i in range(6)]  # bf16 pairs near 1
-    zero = arith.constant(f32, ir.FloatAttr.get(f32, 0.0))
+    # operands from the thread index (bf16 pairs near 1): A, and B for each half of N; distinct values for each
+    # chain's start too, so that no compiler could prove two chains the same computation and merge them
+    a = [arith.xori(thread, mgpu_utils.c(0x3F803F80 + i, i32)) for i in range(4)]
+    b = [[arith.xori(thread, mgpu_utils.c(0x3F803F84 + 2 * h + i, i32)) for i in range(2)] for h in range(2)]
+    starts = [arith.constant(f32, ir.FloatAttr.get(f32, float(i))) for i in range(4 * accumulators)]
     four = llvm.StructType.get_literal([f32] * 4)
-    loop = scf.ForOp(
-      mgpu_utils.c(0, index), mgpu_utils.c(reps, index), mgpu_utils.c(1, index), [zero] * (4 * accumulators)
-    )
+    loop = scf.ForOp(mgpu_utils.c(0, index), mgpu_utils.c(reps, index), mgpu_utils.c(1, index), starts)
     with ir.InsertionPoint(loop.body):
       acc = list(loop.inner_iter_args)
       for chunk in range(K_CALL // 16):
         for half in range(2):
           chain = half + 2 * (chunk % 2) * (accumulators == 4)
           c = acc[4 * chain : 4 * chain + 4]
-          out = llvm.inline_asm(four, [*operands, *c], MMA_SYNC_PTX, "=f,=f,=f,=f," + "r," * 6 + "0,1,2,3")
+          out = llvm.inline_asm(four, [*a, *b[half], *c], MMA_SYNC_PTX, "=f,=f,=f,=f," + "r," * 6 + "0,1,2,3")
           acc[4 * chain : 4 * chain + 4] = [llvm.extractvalue(f32, out, [i]) for i in range(4)]
       scf.yield_(acc)
     total = loop.results[0]
@@ -163,7 +164,8 @@ def mma_sync_rate_kernel(accumulators: int = 2, *, reps: int = REPS, wgs: int = 
 
 def ns_per_instruction(device_us: float, *, reps: int, wgs: int, blocks: int = 132, sms: int = 132) -> float:
   """ns of an SM's time per wgmma instruction: a call's device time over the instructions each SM ran (the
-  blocks spread evenly: one per SM at the default blocks = 132)."""
+  blocks spread evenly: one per SM at the default blocks = sms = 132, an H200's or an H100 SXM's; mosaic_variants
+  passes the device's own count as both)."""
   per_sm = reps * INSTRUCTIONS_PER_CALL * wgs * -(-blocks // sms)
   return device_us * 1e3 / per_sm
 
@@ -185,7 +187,7 @@ def compiled(n: int, wgs: int, a_in_smem: bool, accumulators: int = 0) -> dict:
   f = mma_sync_rate_kernel(accumulators, wgs=wgs) if accumulators else rate_kernel(n, wgs=wgs, a_in_smem=a_in_smem)
   program = gpu_compile.compile_for_h200(f, jax.ShapeDtypeStruct((1,), jnp.float32))
   [kernel] = program.kernels.values()
-  shapes = sorted(set(re.findall(r"H[G]?MMA\.(\w+)\.", kernel.sass)))
+  shapes = sorted(set(re.findall(r"HG?MMA\.(\w+)\.", kernel.sass)))
   return dict(
     n=n, wgs=wgs, a_in_smem=a_in_smem, accumulators=accumulators, launches=len(program.launches),
     registers=kernel.resources.registers, spill_bytes=kernel.resources.spill_stores + kernel.resources.spill_loads,

@@ -127,20 +127,23 @@ def parse_launches(thunk_sequence: str) -> list[Launch]:
 
 
 def parse_loop_launches(thunk_sequence: str) -> list[Launch]:
-  """The launches of one trip of the first while loop in a `*.thunk_sequence.txt` dump: its condition's and
-  its body's (the dump lists them below the kWhile, indented, under "condition:" and "body:"); [] without a
+  """The launches of one trip of a program's main while loop in a `*.thunk_sequence.txt` dump: of its top-level
+  loops (a prefill's scans, say, besides a decode loop), the one that launches the most, its condition's and its
+  body's launches (the dump lists them below the kWhile, indented, under "condition:" and "body:"); [] without a
   loop. A loop nested in the body counts once."""
   lines = thunk_sequence.splitlines()
-  start = next((i for i, line in enumerate(lines) if re.match(r"^\s*\d+:\s+kWhile\b", line)), None)
-  if start is None:
-    return []
-  indent = len(lines[start]) - len(lines[start].lstrip())
-  inside = []
-  for line in lines[start + 1 :]:
-    if line.strip() and len(line) - len(line.lstrip()) <= indent and re.match(r"^\s*\d+:", line):
-      break  # the next thunk at the loop's own level
-    inside.append(line)
-  return parse_launches("\n".join(inside))
+  top = min((len(line) - len(line.lstrip()) for line in lines if re.match(r"^\s*\d+:", line)), default=0)
+  loops = []
+  for start, line in enumerate(lines):
+    if not re.match(r"^\s*\d+:\s+kWhile\b", line) or len(line) - len(line.lstrip()) != top:
+      continue
+    inside = []
+    for below in lines[start + 1 :]:
+      if len(below) - len(below.lstrip()) <= top and re.match(r"^\s*\d+:", below):
+        break  # the next thunk at the loop's own level
+      inside.append(below)
+    loops.append(parse_launches("\n".join(inside)))
+  return max(loops, key=len, default=[])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,7 +341,7 @@ class KernelSass:
 class CompiledProgram:
   launches: list[Launch]  # every launch of one call, a while loop's condition and body once each
   kernels: dict[str, KernelSass]
-  loop_launches: list[Launch] = dataclasses.field(default_factory=list)  # one trip of its first while loop
+  loop_launches: list[Launch] = dataclasses.field(default_factory=list)  # one trip of its main loop (the largest)
 
 
 def _with_device(tree, device):
@@ -351,7 +354,11 @@ def _with_device(tree, device):
 
 
 def compile_for_h200(
-  fn, *args, kernel_names: tuple[str, ...] | None = None, keep_dir: str | None = None, donate_argnums=()
+  fn,
+  *args,
+  kernel_names: tuple[str, ...] | None = None,
+  keep_dir: str | None = None,
+  donate_argnums: tuple[int, ...] = (),
 ) -> CompiledProgram:
   """Compile `fn(*args)` (args: arrays or ShapeDtypeStructs, pytrees allowed) for an H200, and
   read the launches and the SASS of its matmul kernels (the `.entry` points of PTX files that

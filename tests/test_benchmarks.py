@@ -221,4 +221,4 @@ def test_nominal_bandwidth_follows_the_device_kind():
   assert bw("NVIDIA H100 80GB HBM3") == 3.35e12
   assert bw("NVIDIA H100 PCIe") == 2.0e12
   assert bw("NVIDIA H100 NVL") == 3.9e12
-  assert np.isnan(bw("NVIDIA A100-SXM4-80GB")) and np.isnan(bw("cpu"))
+  assert np.isnan(bw("NVIDIA A100-SXM4-80GB")) and np.isnan(bw("cpu")) and np.isnan(bw("NVIDIA GH200 480GB"))
