@@ -225,8 +225,7 @@ def _mosaic_int8_matmul(case: Case):
 
 ENGINE_LAYERS = 2
 ENGINE_KINDS = ("engine", "engine_loop")
-
-
+ENGINE_SLOTS = 1024  # engine: decode_step's KV cache slots
 ENGINE_PROMPT, ENGINE_NEW_TOKENS = 16, 32  # engine_loop: prompts of 16 tokens, 32 new (the first from the prefill)
 
 
@@ -235,7 +234,7 @@ def _engine_row(case: Case) -> dict:
   ENGINE_LAYERS layers (hidden n, 128 experts of moe_intermediate k, top-8) with NVFP4 experts in the Mosaic
   kernel's layout, as on Hopper: its launches, and the copies and Mosaic GPU calls among them (2 per MoE
   layer: gate and up as one weight, then down).
-  kind "engine": `rollout.decode_step` alone (a 1024-slot FP4 KV cache), the caches donated, as `generate`'s
+  kind "engine": `rollout.decode_step` alone (an FP4 KV cache of ENGINE_SLOTS), the caches donated, as `generate`'s
   while loop carries them and XLA updates them in place (without donation the step copies each cache it
   writes first: 9 more copies at 2 layers).
   kind "engine_loop": `generate` itself (a cache of ENGINE_PROMPT + ENGINE_NEW_TOKENS = 48 slots), one trip of its
@@ -274,7 +273,7 @@ def _engine_row(case: Case) -> dict:
       program = gpu_compile.compile_for_h200(fn, params, prompts, prompts, key, kernel_names=("",))
     launches = program.loop_launches
   else:
-    slots = 1024
+    slots = ENGINE_SLOTS
     caches = jax.eval_shape(lambda: rollout.init_cache(cfg, b, slots, quant, jnp.bfloat16, decoded=False))
     step = functools.partial(rollout.decode_step, model_config=cfg, rollout_config=config)
     program = gpu_compile.compile_for_h200(
@@ -282,14 +281,15 @@ def _engine_row(case: Case) -> dict:
     )
     launches = program.launches
   names = [launch.name for launch in launches]
-  if names.count("kCustomCall") != 2 * ENGINE_LAYERS:  # e.g. a loop other than the decode loop was counted
-    raise RuntimeError(f"{case.kind}: {names.count('kCustomCall')} Mosaic calls, not 2 per layer: {names}")
+  mosaic_calls = names.count("kCustomCall")
+  if mosaic_calls != 2 * ENGINE_LAYERS:  # e.g. a loop other than the decode loop was counted
+    raise RuntimeError(f"{case.kind}: {mosaic_calls} Mosaic calls, not 2 per layer: {names}")
   return dict(
     **dataclasses.asdict(case),
     layers=ENGINE_LAYERS,
     launches=len(names),
     launch_names=names,
-    mosaic_calls=names.count("kCustomCall"),
+    mosaic_calls=mosaic_calls,
     copies=names.count("kCopy"),
   )
 
@@ -459,9 +459,9 @@ def markdown(rows: list[dict]) -> str:
     for r in engine:
       shape = f"{r['tokens']} seq, {r['layers']} layers, hidden {r['n']}, {r['experts']} experts of {r['k']}, top-8"
       how = (
-        "one trip of `generate`'s loop (48-slot cache)"
+        f"one trip of `generate`'s loop ({ENGINE_PROMPT + ENGINE_NEW_TOKENS}-slot cache)"
         if r["kind"] == "engine_loop"
-        else "`decode_step` alone (1024 slots, caches donated)"
+        else f"`decode_step` alone ({ENGINE_SLOTS} slots, caches donated)"
       )
       lines.append(f"| {how}: {shape} | {r['launches']} | {r.get('copies', '-')} | {r['mosaic_calls']} |")
   return "\n".join(lines) + "\n"

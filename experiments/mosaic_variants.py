@@ -261,14 +261,18 @@ def wgmma_rates(variants=wgmma_rate.VARIANTS):
       continue
     f = wgmma_rate.rate_kernel(n, wgs=wgs, a_in_smem=a_in_smem, blocks=SM_COUNT)
     with log.row(dict(name=name, n=n, wgs=wgs, a_in_smem=a_in_smem, reps=wgmma_rate.REPS)) as row:
-      m = device_time.measure(f, (jnp.ones(1, F),), reps=5, profile_reps=3)
-      row["wall_us"] = round(m.wall_us, 2)
-      row["device_us"] = None if m.device_us is None else round(m.device_us, 2)
-      ns = wgmma_rate.ns_per_instruction(
-        row["device_us"] or row["wall_us"], reps=wgmma_rate.REPS, wgs=wgs, blocks=SM_COUNT, sms=SM_COUNT
-      )
+      ns = _time_rate(f, wgs, row)
       row["ns_per_wgmma_per_sm"] = round(ns, 2)
       row["weights_per_ns_per_sm"] = round(wgmma_rate.ROWS * 16 / ns, 1)  # weights (m64 x k16) an instruction covers
+
+
+def _time_rate(f, wgs, row):
+  """Times a rate probe of wgmma_rate (one block per SM) into `row`; returns ns per wgmma(-equivalent) per SM."""
+  m = device_time.measure(f, (jnp.ones(1, F),), reps=5, profile_reps=3)
+  row["wall_us"] = round(m.wall_us, 2)
+  row["device_us"] = None if m.device_us is None else round(m.device_us, 2)
+  us = row["device_us"] or row["wall_us"]
+  return wgmma_rate.ns_per_instruction(us, reps=wgmma_rate.REPS, wgs=wgs, blocks=SM_COUNT, sms=SM_COUNT)
 
 
 def mma_sync_rates(variants=wgmma_rate.MMA_SYNC_VARIANTS):
@@ -283,13 +287,7 @@ def mma_sync_rates(variants=wgmma_rate.MMA_SYNC_VARIANTS):
       continue
     f = wgmma_rate.mma_sync_rate_kernel(accumulators, wgs=wgs, blocks=SM_COUNT)
     with log.row(dict(name=name, wgs=wgs, accumulators=accumulators, reps=wgmma_rate.REPS)) as row:
-      m = device_time.measure(f, (jnp.ones(1, F),), reps=5, profile_reps=3)
-      row["wall_us"] = round(m.wall_us, 2)
-      row["device_us"] = None if m.device_us is None else round(m.device_us, 2)
-      ns = wgmma_rate.ns_per_instruction(
-        row["device_us"] or row["wall_us"], reps=wgmma_rate.REPS, wgs=wgs, blocks=SM_COUNT, sms=SM_COUNT
-      )
-      row["ns_per_wgmma_equivalent_per_sm"] = round(ns, 2)
+      row["ns_per_wgmma_equivalent_per_sm"] = round(_time_rate(f, wgs, row), 2)
 
 
 # the questions that matter most first (BUDGET_S may stop the run): a dense call with the warpgroups taking turns
