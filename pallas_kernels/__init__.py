@@ -17,7 +17,7 @@ they are quantization targets (`rollout.weight_sync`). `packed_matmul` and the d
 kept as the entry point for packed dense weights (FP4 dense layers or shared experts), and
 because the dense kernel is the plain form of the grouped one: the decode, tiling and K loop the
 grouped kernel reuses are written and tested there, against its jnp reference
-(tests/test_pallas_kernels.py), and benchmarked (experiments/bench_fp4_matmul.py).
+(tests/test_pallas_kernels.py), and benchmarked (pallas_kernels/lab/bench_fp4_matmul.py).
 """
 
 from __future__ import annotations

@@ -232,7 +232,7 @@ def default_tiles(
   partial sums that split K writes and reads back stay under 1/8 of the weight bytes) and by
   shrinking block_n from 64 (128 for M > 16) down to 32. At decode K is split first: the 64-row
   weight tile issues about 8% fewer instructions per weight than the 32-row one (6.8 against 7.4
-  with the PTX decode, experiments/kernel_report.py); above, block_n shrinks first. Interpret mode (CPU) runs
+  with the PTX decode, pallas_kernels/lab/kernel_report.py); above, block_n shrinks first. Interpret mode (CPU) runs
   grid steps one after another, so it takes the largest tiles that divide the shape.
   """
   if interpret:

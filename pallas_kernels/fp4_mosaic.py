@@ -71,7 +71,7 @@ want them (Marlin's idea, for the wgmma A operand). The layout:
     on its registers): `gpu_compile.inflight_register_writes` finds 93-379 such writes in that loop (by
     shape and tiles) and none with two parts, and tests/test_gpu_compile.py holds every kernel here to none.
 
-experiments/kernel_report.py counts the compiled loop (pallas_kernels/gpu_compile.py compiles it
+pallas_kernels/lab/kernel_report.py counts the compiled loop (pallas_kernels/gpu_compile.py compiles it
 for sm_90a without a GPU): 2.48-2.49 SASS instructions per weight, against 6.6
 for the Pallas-Triton kernel. The rollout engine runs it on Hopper (rollout.expert_layout);
 `unpack_fragments` inverts the packing, for the jnp reference.
@@ -94,7 +94,7 @@ packing and a numpy emulation of the register decode (`decode_fragments_numpy`, 
 instruction) run anywhere, and tests/test_fp4_mosaic.py checks the emulation bit for bit against
 `fp4.dequantize`, and on a GPU the kernel against the Triton kernels' jnp references
 (`fp4_matmul.fp4_matmul_reference`, `grouped_fp4_matmul.grouped_fp4_matmul_reference`;
-experiments/gpu_check.py runs those tests).
+pallas_kernels/lab/gpu_check.py runs those tests).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 in the environment before jax initializes its 
 plugin otherwise refuses to load without a CUDA driver). `missing()` says what is absent; with the
 plugin installed and no GPU, jax still runs everything else on the CPU.
 
-  python experiments/kernel_report.py   # the report: every kernel and shape, with a roofline
+  python pallas_kernels/lab/kernel_report.py   # the report: every kernel and shape, with a roofline
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Mapping groups to tiles (the megablox / tokamax pattern, with tiles aligned to t
     the call is one launch: no metadata kernels before it.
   * A group of s rows takes ceil(s / block_m) visits, each streaming its expert's weights once:
     a group is never split across two fixed row tiles, which streamed the expert twice (+14% weight
-    bytes at 64 tokens top-8 of 128 experts; experiments/kernel_report.py). block_m follows the
+    bytes at 64 tokens top-8 of 128 experts; pallas_kernels/lab/kernel_report.py). block_m follows the
     mean group size (`group_tile_rows`). That is
     still at most m_tiles + E visits; the grid is (m_tiles + E, n tiles), and grid steps past the
     real number of visits do nothing.
@@ -96,7 +96,7 @@ def group_tile_rows(num_rows: int, num_groups: int) -> int:
   expert sees a few rows, not M. Twice the mean group size from 12 rows on: with 16-row tiles,
   groups around a mean of 16 often need two visits, each streaming the expert again (188 streams
   for 128 experts at 256 tokens top-8 of 128), while 32-row tiles cost 1.2x the instructions per
-  weight (experiments/kernel_report.py): 18% fewer issued instructions there, and no change at 64
+  weight (pallas_kernels/lab/kernel_report.py): 18% fewer issued instructions there, and no change at 64
   tokens (mean 4)."""
   mean = pl.cdiv(num_rows, num_groups)
   return 2 * mean if mean >= 12 else mean

@@ -13,7 +13,7 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 # sums can differ in the last bits (tests/sharding_worker.py: 6e-8). Set before jax creates its client (it
 # reads XLA_FLAGS then), so every xdist worker and every subprocess that a test starts inherits it. The flag
 # holds for every XLA backend, and the Triton kernels' SASS depends on it, so it is left off where the GPU
-# runs the kernel tests (TRACE_PALLAS_INTERPRET=0: experiments/gpu_check.py) or a GPU is present, and the
+# runs the kernel tests (TRACE_PALLAS_INTERPRET=0: pallas_kernels/lab/gpu_check.py) or a GPU is present, and the
 # deviceless GPU compiles' children drop it (tests/test_gpu_compile.py). A user's own level is left alone;
 # checks that need the default level ask for it per program (tests/sharding_worker.py's jit_default).
 FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"

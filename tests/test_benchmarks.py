@@ -1,4 +1,4 @@
-"""The GPU check (experiments/gpu_check.py) on its CPU path, and the pieces it relies on: stage time
+"""The GPU check (pallas_kernels/lab/gpu_check.py) on its CPU path, and the pieces it relies on: stage time
 limits, failures recorded rather than raised, installs that never touch jax, the benchmarks' JSON."""
 
 import json
@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import bench_fp4_matmul, device_time, gpu_check
+from pallas_kernels.lab import bench_fp4_matmul, device_time, gpu_check
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.slow
 def test_gpu_check_smoke_writes_every_stage(tmp_path):
   out = tmp_path / "check" / "gpu_check.json"
-  cmd = [sys.executable, "experiments/gpu_check.py", "--smoke", "--out", str(out)]
+  cmd = [sys.executable, "pallas_kernels/lab/gpu_check.py", "--smoke", "--out", str(out)]
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
   assert out.exists(), proc.stdout + proc.stderr
   report = json.loads(out.read_text())  # strict JSON: no NaN
@@ -74,7 +74,7 @@ def test_a_stage_past_its_limit_is_killed_and_recorded(tmp_path):
 
 ROWS_SCRIPT = """
 import os, time
-from experiments import device_time
+from pallas_kernels.lab import device_time
 log = device_time.RowLog(os.environ["OUT"] + "/mosaic_variants.json", resume=os.environ.get("RESUME") == "1", row_s=1)
 for name in ("fine", "hangs", "raises", "after"):
   if not log.done(name):

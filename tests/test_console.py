@@ -73,3 +73,24 @@ def test_setup_logging_splits_console_and_log_file(absl_console, tmp_path, capsy
   text = (workdir / console.LOG_FILE).read_text()
   messages = [line.split("] ", 1)[1] for line in text.splitlines()]
   assert messages == ["CheckpointManagerOptions(...)", "Starting a new run", "orbax warns"]
+
+
+def test_no_cuda_plugin_traceback_on_a_machine_without_a_gpu():
+  """With requirements-gpu-compile.txt's CUDA plugin installed and no GPU, jax's first backend lookup logs an
+  ERROR traceback unless the CPU platform is asked for: importing trace_jax asks for it (before or after
+  `import jax`), and jax still runs on the CPU."""
+  import importlib.util
+  import subprocess
+
+  import trace_jax
+
+  if importlib.util.find_spec("jax_plugins.xla_cuda12") is None or any(
+    map(os.path.exists, trace_jax._ACCELERATOR_NODES)
+  ):
+    pytest.skip("needs the CUDA plugin installed and no accelerator")
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")}
+  for first, then in (("import trace_jax", "import jax"), ("import jax", "import trace_jax")):
+    code = f"{first}; {then}; print(jax.devices()[0].platform)"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "cpu", done.stderr
+    assert "Traceback" not in done.stderr and "plugin configuration error" not in done.stderr, done.stderr

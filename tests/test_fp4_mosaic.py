@@ -2,7 +2,7 @@
 
 On CPU: the packing and the instruction-by-instruction emulation of the kernel's register decode
 are checked bit for bit against `fp4.dequantize` (every code in every slot, every E4M3 scale byte,
-random weights with zero, negative, subnormal and NaN scales). On a GPU (experiments/gpu_check.py
+random weights with zero, negative, subnormal and NaN scales). On a GPU (pallas_kernels/lab/gpu_check.py
 runs this file there): the compiled kernel against its jnp reference. The kernel's compiled figures
 (one launch, no spills, instructions per weight) are checked by tests/test_gpu_compile.py.
 """

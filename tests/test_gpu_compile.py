@@ -2,10 +2,10 @@
 launch what we expect, and their decode loop stays within its instruction figures.
 
 Needs requirements-gpu-compile.txt (the CUDA plugin, ptxas, nvdisasm); skipped, with what is
-missing, without it. The compiles run in a child process (experiments/kernel_report.py --cases
+missing, without it. The compiles run in a child process (pallas_kernels/lab/kernel_report.py --cases
 tests). The parsers are also checked on hand-written compiler output, which needs nothing.
 
-The ceilings below are today's figures (experiments/kernel_report.py, docs/perf/kernel_report.md),
+The ceilings below are today's figures (pallas_kernels/lab/kernel_report.py, docs/perf/kernel_report.md),
 a regression guard: the Triton kernels are far above the issue's budget of 2.5 instructions per
 weight; the Mosaic GPU kernel (pallas_kernels/fp4_mosaic.py) is at it.
 """
@@ -19,8 +19,8 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import kernel_report
 from pallas_kernels import gpu_compile
+from pallas_kernels.lab import kernel_report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -244,7 +244,7 @@ def gpu_compile_env() -> dict:
 def rows(tmp_path_factory):
   out = tmp_path_factory.mktemp("kernel_report") / "report"
   env = gpu_compile_env()
-  cmd = [sys.executable, "experiments/kernel_report.py", "--cases", "tests", "--out", str(out)]
+  cmd = [sys.executable, "pallas_kernels/lab/kernel_report.py", "--cases", "tests", "--out", str(out)]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   report = json.loads(out.with_suffix(".json").read_text())
@@ -457,12 +457,12 @@ def test_mosaic_fp4_cluster(rows):
 
 @needs_toolchain
 def test_wgmma_rate_kernel_compiles():
-  """The tensor-core rate probes that mosaic_variants.py times on a GPU (experiments/wgmma_rate.py): the FP4 kernel's
+  """The tensor-core rate probes that mosaic_variants.py times on a GPU (pallas_kernels/lab/wgmma_rate.py): the FP4 kernel's
   MMA, HGMMA 64x16x16 with A from registers, in chains of 16 (one wgmma call of K = 256) in its loop; and the same
   work as per-warp mma.sync (HMMA.16816, 32 a warp per call) in 4 accumulator chains, which ptxas issues back to
   back (with 2 chains it pads the loop with 127 NOPs per 256 HMMA: each waits for its chain's previous one)."""
   env = gpu_compile_env()
-  cmd = [sys.executable, "experiments/wgmma_rate.py", "--compile", "--first"]
+  cmd = [sys.executable, "pallas_kernels/lab/wgmma_rate.py", "--compile", "--first"]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   wgmma, mma_sync = (json.loads(line) for line in proc.stdout.strip().splitlines()[-2:])

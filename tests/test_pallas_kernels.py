@@ -1,7 +1,7 @@
 """Pallas FP4 kernels against their jnp references: in interpret mode on CPU, compiled through
 Triton when the backend is a GPU (INTERPRET), where the inline-PTX decode is checked as well.
 TRACE_PALLAS_INTERPRET=0 / 1 forces compiled / interpret mode (compiled needs a GPU backend;
-experiments/gpu_check.py sets 0 so that a GPU run cannot fall back to the interpreter unnoticed).
+pallas_kernels/lab/gpu_check.py sets 0 so that a GPU run cannot fall back to the interpreter unnoticed).
 
 Every kernel configuration is compiled once (group sizes are traced, so one compiled grouped
 kernel serves several groupings). The CUDA lowering test runs the Pallas -> Triton lowering on

@@ -3,9 +3,9 @@
 On the GPU machine, from the repository root (writes $OUT/gpu_check.json if $OUT is set, else
 gpu_check.json in the repository root, and the stages' logs beside it in gpu_check_logs/):
 
-  bash experiments/gpu_check.sh                 # = python experiments/gpu_check.py --out ${OUT:-.}/gpu_check.json
+  bash pallas_kernels/lab/gpu_check.sh                 # = python pallas_kernels/lab/gpu_check.py --out ${OUT:-.}/gpu_check.json
 
-(through the device tool, within a 15-minute lease: run(command="bash experiments/gpu_check.sh
+(through the device tool, within a 15-minute lease: run(command="bash pallas_kernels/lab/gpu_check.sh
 --stages env,kernel_tests,mosaic_variants --no_install --total_s 510", timeout_s=540): the kernels'
 correctness and the Mosaic kernel's variants against bf16, about 8.5 minutes; the run stops itself
 after --total_s plus a few seconds, and stages past it are recorded as "out of time".) It exits 0
@@ -20,7 +20,7 @@ of our engine on the GPU. A stage that failed or ran out of time keeps its stder
 the whole log under gpu_check_logs/); fp4_matmul keeps the rows it measured before it was cut off.
 Rerun a subset with --stages kernel_tests,rollout.
 
-  python experiments/gpu_check.py --smoke --out /tmp/gpu_check.json   # CPU path: no installs, tiny sizes (~1.5 min, 2 cores)
+  python pallas_kernels/lab/gpu_check.py --smoke --out /tmp/gpu_check.json   # CPU path: no installs, tiny sizes (~1.5 min, 2 cores)
 
 Stages, in order, each in its own process with its own time limit (a stage's limit is cut so that
 every later stage keeps at least --reserve_s of --total_s; one that fails or times out is recorded
@@ -42,11 +42,11 @@ and the run goes on):
                 on a GPU: the Pallas kernels compiled through Triton (and the inline-PTX decode) and the
                 Mosaic GPU kernel (M = 1..64, tensor scale, every E4M3 scale byte) against their jnp
                 references. --smoke: interpret mode, a few tests.
-  mosaic_variants  experiments/mosaic_variants.py (GPU only): the Mosaic kernel's variants (one or two
+  mosaic_variants  pallas_kernels/lab/mosaic_variants.py (GPU only): the Mosaic kernel's variants (one or two
                 compute warpgroups, overlap, more slots, 8-row x tiles) and the bf16 baselines, dense
                 and grouped, each with its wall-clock and device (profiler) time; figures.rows. A row
                 that hangs is recorded as such and the script is rerun from the next row.
-  fp4_matmul    experiments/bench_fp4_matmul.py --json (BF16 against the FP4 kernels; --smoke: tiny).
+  fp4_matmul    pallas_kernels/lab/bench_fp4_matmul.py --json (BF16 against the FP4 kernels; --smoke: tiny).
   rollout       experiments/bench_rollout.py --json (our engine, BF16 and FP4, against transformers
                 float32 on the CPU; --smoke: batch 2, 4 tokens).
   grpo_step     experiments/bench_grpo_step.py --json --modes bf16,qat,trace --tunix auto, if present
@@ -74,7 +74,7 @@ import time
 import xml.etree.ElementTree as ET
 from importlib import metadata
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 STAGES = ("env", "install", "kernel_tests", "mosaic_variants", "fp4_matmul", "rollout", "grpo_step")
 # Upper limits in seconds on one H200 (each is also cut to leave --reserve_s to every later stage).
 LIMITS = {
@@ -389,8 +389,8 @@ def _bench_stage(name, script, args, limit_s, logs, **env) -> dict:
   return _stage_record(cmd, result, limit_s, result["returncode"] == 0 and "error" not in figures, figures=figures)
 
 
-def stage_mosaic_variants(limit_s, logs, smoke, gpu, script="experiments/mosaic_variants.py"):
-  """experiments/mosaic_variants.py: the Mosaic kernel's variants and the bf16 baselines, wall clock and
+def stage_mosaic_variants(limit_s, logs, smoke, gpu, script="pallas_kernels/lab/mosaic_variants.py"):
+  """pallas_kernels/lab/mosaic_variants.py: the Mosaic kernel's variants and the bf16 baselines, wall clock and
   device time per row (it needs an sm_90 GPU: skipped without one)."""
   if smoke or not gpu:
     return dict(status="skipped", reason="--smoke" if smoke else "no GPU backend", seconds=0.0, limit_s=limit_s)
@@ -418,7 +418,7 @@ def stage_mosaic_variants(limit_s, logs, smoke, gpu, script="experiments/mosaic_
 
 def stage_fp4_matmul(limit_s, logs, smoke):
   args = ["--smoke"] if smoke else ["--reps", "10"]
-  return _bench_stage("fp4_matmul", "experiments/bench_fp4_matmul.py", args, limit_s, logs)
+  return _bench_stage("fp4_matmul", "pallas_kernels/lab/bench_fp4_matmul.py", args, limit_s, logs)
 
 
 def stage_rollout(limit_s, logs, smoke):

@@ -1,8 +1,8 @@
 """Benchmark: BF16 matmul against the Pallas FP4 kernels at decode and MoE shapes (written for an H200).
 
-  python experiments/bench_fp4_matmul.py            # on a GPU: the full tables (a few minutes)
-  python experiments/bench_fp4_matmul.py --sweep    # + tile configs at K=N=4096 and T=8 (~5 more minutes)
-  python experiments/bench_fp4_matmul.py --smoke    # anywhere: tiny shapes, Pallas interpret mode
+  python pallas_kernels/lab/bench_fp4_matmul.py            # on a GPU: the full tables (a few minutes)
+  python pallas_kernels/lab/bench_fp4_matmul.py --sweep    # + tile configs at K=N=4096 and T=8 (~5 more minutes)
+  python pallas_kernels/lab/bench_fp4_matmul.py --smoke    # anywhere: tiny shapes, Pallas interpret mode
   ... --json PATH                                   # also every figure as JSON (rewritten after each row)
 
 Dense (nn.Linear, weight [N, K]): x[M, K] bf16 with M in {1, 8, 64}, K = N in {4096, 8192}:
@@ -27,7 +27,7 @@ cannot hoist anything), each on its own copy of the weights (so that XLA's dot m
 the bf16 calls that share a weight into one matmul, and every read comes from HBM): times are
 HBM-bound steady state, like a decode step that walks all layers. Warmup runs first. On a GPU a time
 is the kernels' own time on the device's streams, from a profiler trace of 5 calls
-(experiments/device_time.py): the wall clock of a call also holds its dispatch and launches (on an
+(pallas_kernels/lab/device_time.py): the wall clock of a call also holds its dispatch and launches (on an
 H200, XLA's bf16 dot timed by wall clock reached 1.9 TB/s at M = 1, under half of HBM). --smoke (and
 any backend without device streams): the median wall clock of the repetitions.
 
@@ -65,12 +65,12 @@ import jax.numpy as jnp
 import numpy as np
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-from experiments import device_time  # noqa: E402
 from pallas_kernels import fp4_matmul as dense  # noqa: E402
 from pallas_kernels import fp4_mosaic as mosaic  # noqa: E402
 from pallas_kernels import grouped_fp4_matmul as grouped  # noqa: E402
+from pallas_kernels.lab import device_time  # noqa: E402
 from trace_jax import fp4  # noqa: E402
 
 # Nominal HBM bandwidth by device kind (jax's device_kind), first match: the "%peak" column's denominator. An
@@ -311,10 +311,10 @@ def _time_grouped(op, xs, weights, routings, setup: Setup) -> float:
 
 
 def static_figures(kind: str, m: int, n: int, k: int, ptx: bool, **grouped_shape) -> dict | None:
-  """The kernel's figures compiled for sm_90a (experiments/kernel_report.py), or None without the
+  """The kernel's figures compiled for sm_90a (pallas_kernels/lab/kernel_report.py), or None without the
   toolchain (requirements-gpu-compile.txt)."""
-  from experiments import kernel_report
   from pallas_kernels import gpu_compile
+  from pallas_kernels.lab import kernel_report
 
   if gpu_compile.missing():
     return None

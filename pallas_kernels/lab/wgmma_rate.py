@@ -18,7 +18,7 @@ or 2 accumulator chains per warp. Compiled here, ptxas issues the 4 chains' HMMA
 262 instructions) and pads the 2 chains' with 127 NOPs per 256 (each HMMA waits for its chain's previous one):
 a kernel of this form would keep 4 or more.
 
-  python experiments/wgmma_rate.py --compile [--first]  # no GPU: compile for sm_90a, print SASS figures (~8 s each)
+  python pallas_kernels/lab/wgmma_rate.py --compile [--first]  # no GPU: compile for sm_90a, print SASS figures (~8 s each)
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import sys
 if __name__ == "__main__":
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 if __package__ in (None, ""):  # run as a script: make the repository root importable
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -202,7 +202,7 @@ def main(argv=None):
   p.add_argument("--first", action="store_true", help="only the first variant (the FP4 kernel's shape)")
   args = p.parse_args(argv)
   if not args.compile:
-    p.error("on a GPU, experiments/mosaic_variants.py times these kernels; here, --compile")
+    p.error("on a GPU, pallas_kernels/lab/mosaic_variants.py times these kernels; here, --compile")
   for variant in VARIANTS[:1] if args.first else VARIANTS:
     print(json.dumps(compiled(*variant)), flush=True)
   for accumulators, wgs in MMA_SYNC_VARIANTS[:1] if args.first else MMA_SYNC_VARIANTS:

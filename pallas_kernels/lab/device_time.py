@@ -97,7 +97,7 @@ class RowLog:
   hangs: a hung kernel cannot be interrupted from Python, so `row` ends the process after `row_s`
   (faulthandler, with a traceback) and leaves the row in progress in `<path>.pending`. A rerun with
   resume=True keeps the rows so far, records that one with an "error" ("no result: ..."), and `done` skips
-  both; experiments/gpu_check.py reruns while its stage has time left.
+  both; pallas_kernels/lab/gpu_check.py reruns while its stage has time left.
 
     log = RowLog(f"{out}/rows.json", resume=os.environ.get("RESUME") == "1", row_s=45)
     if not log.done(key):

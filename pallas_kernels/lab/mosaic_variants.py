@@ -1,11 +1,11 @@
 """GPU diagnostic of the Mosaic FP4 kernel (pallas_kernels/fp4_mosaic.py): tile variants timed side by
 side with bf16 baselines, each checked against the jnp reference, on an sm_90 GPU (about 4 minutes):
 
-  PYTHONPATH=. python experiments/mosaic_variants.py   # writes $OUT/mosaic_variants.json (or /tmp/...)
+  PYTHONPATH=. python pallas_kernels/lab/mosaic_variants.py   # writes $OUT/mosaic_variants.json (or /tmp/...)
 
-(or as a stage of the GPU check: bash experiments/gpu_check.sh --stages kernel_tests,mosaic_variants).
+(or as a stage of the GPU check: bash pallas_kernels/lab/gpu_check.sh --stages kernel_tests,mosaic_variants).
 
-Every row has two times per call (experiments/device_time.py): `wall_us`, the median wall clock of a
+Every row has two times per call (pallas_kernels/lab/device_time.py): `wall_us`, the median wall clock of a
 jitted call (dispatch to block_until_ready, divided by the calls it makes), and `device_us`, the
 kernels' own time on the GPU's streams from a profiler trace. The first holds dispatch and launch
 costs; the second is what a kernel change moves. GB/s are from device_us where there is one.
@@ -18,7 +18,7 @@ tiles and the cluster of 2; grouped, 64 tokens top-8 of 128 experts, gate_up [15
 [2048, 768]: the default tiles (one block per expert and pass lane, its row units chained), at gate_up with
 two 64-row tiles per 256-wide step, with `early_exit` (a block without work ends after one load), with turns,
 and the Triton kernel of the same family on bf16 weights (`grouped_bf16_matmul`); the tensor cores' rate at
-the kernel's MMA shape (experiments/wgmma_rate.py: ns per wgmma m64 x N x k16 per SM, N = 8..256), and the
+the kernel's MMA shape (pallas_kernels/lab/wgmma_rate.py: ns per wgmma m64 x N x k16 per SM, N = 8..256), and the
 same work as per-warp mma.sync m16n8k16 (2 or 4 accumulator chains a warp); gate_up
 where expert 0, then expert 120, takes two x tiles (an early and a late block in the grid); 256 tokens, with
 one tile at 512 at gate_up, with early exit and with one lane; M = 8, K = 32768, the same rows as at 8192 (a
@@ -49,10 +49,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import device_time, wgmma_rate
-from experiments.bench_fp4_matmul import copies, rel_err
 from pallas_kernels import fp4_mosaic as fm
 from pallas_kernels import grouped_fp4_matmul as g
+from pallas_kernels.lab import device_time, wgmma_rate
+from pallas_kernels.lab.bench_fp4_matmul import copies, rel_err
 from trace_jax import fp4
 
 T = fm.MosaicTiles
@@ -250,7 +250,7 @@ def grouped_rows(label, x, weights, sizes, tiles):
 
 
 def wgmma_rates(variants=wgmma_rate.VARIANTS):
-  """ns of an SM's time per wgmma m64 x N x k16 (experiments/wgmma_rate.py: no copies, no decode), at N = 8..256,
+  """ns of an SM's time per wgmma m64 x N x k16 (pallas_kernels/lab/wgmma_rate.py: no copies, no decode), at N = 8..256,
   one or two warpgroups, A from registers (the FP4 kernel's) or shared memory. The FP4 kernel's steady step issues
   32 of N = 16 per SM and took 0.775 us (0.60 without the decode): 24 ns (19) each. A rate near that says the MMAs
   bound the step; one N = 16 as slow as N = 64 says that tokens are free up to 64 and weights per instruction
@@ -332,7 +332,7 @@ PING_PONG = ("issued", "done")
 EARLY_EXIT = ("early exit", dict(early_exit=True))
 ONE_TILE, TWO_TILES = ("one tile at 512", other_step(1)), ("two tiles at 256", other_step(2))
 dense(8, variants=candidates(8, K, N), diagnostics=True)
-# M = 16 (never timed: block_m 16 like M = 8, twice x's rows): the roofline (experiments/kernel_report.py) puts it at
+# M = 16 (never timed: block_m 16 like M = 8, twice x's rows): the roofline (pallas_kernels/lab/kernel_report.py) puts it at
 # its L2 time, x's reads 0.89x the weight bytes (10.2 us against 8.0 of memory time, 2.47x bf16), where a cluster
 # of 2 halves them (3.0x); the row says whether that limit holds.
 dense(16, variants=[cluster_2(16, K, N)])

@@ -1,6 +1,6 @@
 """Static figures of the FP4 kernels compiled for an H200 (sm_90a) without a GPU, and a roofline.
 
-  JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python experiments/kernel_report.py --out docs/perf/kernel_report
+  JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python pallas_kernels/lab/kernel_report.py --out docs/perf/kernel_report
   ... --smoke      # two small shapes
   ... --cases tests  # what tests/test_gpu_compile.py checks (TEST_CASES), in a child process
 
@@ -49,7 +49,7 @@ import sys
 if __name__ == "__main__":
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 if __package__ in (None, ""):  # run as a script: make the repository root importable
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

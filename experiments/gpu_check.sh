@@ -1,7 +1,0 @@
-#!/usr/bin/env bash
-# The GPU check (experiments/gpu_check.py): run from anywhere; writes ${OUT:-.}/gpu_check.json and its logs.
-#   bash experiments/gpu_check.sh [--stages kernel_tests,rollout] [--no_install] [--smoke]
-set -u
-cd "$(dirname "$0")/.."
-PY="${PYTHON:-$(command -v python || command -v python3)}"
-exec "$PY" experiments/gpu_check.py --out "${OUT:-.}/gpu_check.json" "$@"
