@@ -66,6 +66,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from configs import models  # noqa: E402
+from pallas_kernels import gpu_compile  # noqa: E402
 from trace_jax import config as config_lib  # noqa: E402
 from trace_jax import experience, model, rollout, sharding, trainer  # noqa: E402
 from trace_jax.config import (  # noqa: E402
@@ -115,19 +116,14 @@ def _with_shardings(abstract, shardings):
 
 
 def _report(compiled, seconds: float) -> dict:
-  mem = compiled.memory_analysis()
+  mem = gpu_compile.memory_figures(compiled)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   gib = lambda n: round(n / 2**30, 3)
   return {
     "compile_s": round(seconds, 1),
-    "argument_gib": gib(mem.argument_size_in_bytes),
-    "output_gib": gib(mem.output_size_in_bytes),
-    "alias_gib": gib(mem.alias_size_in_bytes),
-    "temp_gib": gib(mem.temp_size_in_bytes),
-    "peak_estimate_gib": gib(
-      mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-    ),
+    **{f"{k}_gib": gib(mem[k]) for k in ("argument", "output", "alias", "temp")},
+    "peak_estimate_gib": gib(mem["peak"]),
     "tflops_per_device": round(float(cost.get("flops", 0.0)) / 1e12, 4),
     "hbm_gib_accessed_per_device": gib(float(cost.get("bytes accessed", 0.0))),
   }
@@ -175,8 +171,9 @@ def guidance_bytes(config: ModelConfig) -> dict:
   return out
 
 
-def compile_train_step(run: RunConfig, mesh, ep: ExpertParallel | None, batch: int, seq: int) -> dict:
-  """The GRPO step (QAT forward guided by TRACE guidance, backward, AdamW) on the trainer mesh."""
+def train_step_inputs(run: RunConfig, batch: int, seq: int, mesh=None):
+  """(optimizer, state, batch) of the GRPO step, abstract (ShapeDtypeStructs; with a mesh, carrying its
+  shardings): `batch` rollouts of `seq` tokens, prompt and response (the response: max_new_tokens)."""
   optimizer = trainer.make_optimizer(run.optim, 1000)
   config = run.model
 
@@ -185,7 +182,8 @@ def compile_train_step(run: RunConfig, mesh, ep: ExpertParallel | None, batch: i
     return trainer.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
   state = jax.eval_shape(init)
-  state = _with_shardings(state, trainer.state_shardings(state, optimizer, mesh))
+  if mesh is not None:
+    state = _with_shardings(state, trainer.state_shardings(state, optimizer, mesh))
   prompt = seq + 1 - run.sampling.max_new_tokens
 
   def rollout_batch(engine, prompts, mask):  # shapes only: what the engine hands the trainer
@@ -203,7 +201,14 @@ def compile_train_step(run: RunConfig, mesh, ep: ExpertParallel | None, batch: i
   engine = jax.eval_shape(lambda p: rollout.weight_sync(p, run.mode.rollout.quant), state.params)
   tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32)
   abstract_batch = jax.eval_shape(rollout_batch, engine, tokens, tokens)
-  abstract_batch = _with_shardings(abstract_batch, sharding.batch_shardings(abstract_batch, mesh))
+  if mesh is not None:
+    abstract_batch = _with_shardings(abstract_batch, sharding.batch_shardings(abstract_batch, mesh))
+  return optimizer, state, abstract_batch
+
+
+def compile_train_step(run: RunConfig, mesh, ep: ExpertParallel | None, batch: int, seq: int) -> dict:
+  """The GRPO step (QAT forward guided by TRACE guidance, backward, AdamW) on the trainer mesh."""
+  optimizer, state, abstract_batch = train_step_inputs(run, batch, seq, mesh)
   step = trainer.make_rl_step(run, optimizer, mesh=mesh, expert_parallel=ep)
   t0 = time.perf_counter()
   compiled = step.lower(state, abstract_batch, first=True).compile()

@@ -364,19 +364,13 @@ def compile_for_h200(
   read the launches and the SASS of its matmul kernels (the `.entry` points of PTX files that
   hold an MMA, or those named in `kernel_names`). donate_argnums: as jax.jit's, for arguments that
   the caller updates in place (a loop's carry): without it XLA copies each one it writes."""
-  if problems := missing():
-    raise RuntimeError("deviceless GPU compile unavailable: " + "; ".join(problems))
-  device = h200_device()
-  args = _with_device(jax.eval_shape(lambda *a: a, *args), device)
   work = keep_dir or tempfile.mkdtemp(prefix="gpu_compile_")
   os.makedirs(work, exist_ok=True)
   dump, mosaic_dump = os.path.join(work, "xla_dump"), os.path.join(work, "mosaic_dump")
   try:
     # Never from a persistent compilation cache: a cache hit compiles nothing, so dumps nothing.
     with _mosaic_gpu_dump(mosaic_dump, work), _no_persistent_cache():
-      jax.jit(fn, donate_argnums=donate_argnums).trace(*args).lower(lowering_platforms=("cuda",)).compile(
-        compiler_options={"xla_dump_to": dump}
-      )
+      _lowered(jax.jit(fn, donate_argnums=donate_argnums), args, {}).compile(compiler_options={"xla_dump_to": dump})
     [sequence] = glob.glob(os.path.join(dump, "*.thunk_sequence.txt"))
     thunks = pathlib.Path(sequence).read_text()
     launches = parse_launches(thunks)
@@ -391,6 +385,51 @@ def compile_for_h200(
   finally:
     if keep_dir is None:
       shutil.rmtree(work, ignore_errors=True)
+
+
+def _lowered(jitted, args, static: dict):
+  """`jitted(*args, **static)` lowered for the H200 topology (args: arrays or ShapeDtypeStructs, pytrees)."""
+  if problems := missing():
+    raise RuntimeError("deviceless GPU compile unavailable: " + "; ".join(problems))
+  args = _with_device(jax.eval_shape(lambda *a: a, *args), h200_device())
+  return jitted.trace(*args, **static).lower(lowering_platforms=("cuda",))
+
+
+@contextlib.contextmanager
+def as_hopper():
+  """Trace as on an H100 / H200: `jax.default_backend()` says 'gpu' and `pallas_kernels.is_hopper()` True, so
+  that the choices the code makes while tracing are the GPU's (`select_impl`'s Mosaic kernel and the expert
+  layout it takes, moe's ragged grouped dot, the engine's bf16 KV carriers, compiled Triton kernels)."""
+  from unittest import mock
+
+  import pallas_kernels
+
+  with (
+    mock.patch.object(jax, "default_backend", lambda: "gpu"),
+    mock.patch.object(pallas_kernels, "is_hopper", lambda: True),
+  ):
+    yield
+
+
+def compile_sm90(fn, *args, donate_argnums: tuple[int, ...] = (), **static):
+  """`fn(*args, **static)` (static: a jitted fn's static arguments) traced `as_hopper` and compiled for an H200;
+  fn may be jitted already (then donate_argnums is its own). The compiled program's memory_analysis() is the
+  device memory it needs (`memory_figures`)."""
+  jitted = fn if hasattr(fn, "trace") else jax.jit(fn, donate_argnums=donate_argnums)
+  with as_hopper(), _no_persistent_cache():
+    return _lowered(jitted, args, static).compile()
+
+
+def memory_figures(compiled) -> dict[str, int]:
+  """The compiled program's device memory in bytes: arguments, outputs, aliased (donated arguments the outputs
+  reuse), temporaries and their sum, peak = argument + output - alias + temp."""
+  m = compiled.memory_analysis()
+  out = dict(
+    argument=m.argument_size_in_bytes, output=m.output_size_in_bytes, alias=m.alias_size_in_bytes,
+    temp=m.temp_size_in_bytes,
+  )  # fmt: skip
+  out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+  return out
 
 
 @contextlib.contextmanager
