@@ -411,13 +411,13 @@ def as_hopper():
     yield
 
 
-def compile_sm90(fn, *args, donate_argnums: tuple[int, ...] = (), **static):
+def compile_sm90(fn, *args, donate_argnums: tuple[int, ...] = (), compiler_options: dict | None = None, **static):
   """`fn(*args, **static)` (static: a jitted fn's static arguments) traced `as_hopper` and compiled for an H200;
   fn may be jitted already (then donate_argnums is its own). The compiled program's memory_analysis() is the
   device memory it needs (`memory_figures`)."""
   jitted = fn if hasattr(fn, "trace") else jax.jit(fn, donate_argnums=donate_argnums)
   with as_hopper(), _no_persistent_cache():
-    return _lowered(jitted, args, static).compile()
+    return _lowered(jitted, args, static).compile(compiler_options=compiler_options)
 
 
 def memory_figures(compiled) -> dict[str, int]:

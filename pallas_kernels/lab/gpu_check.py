@@ -5,52 +5,56 @@ gpu_check.json in the repository root, and the stages' logs beside it in gpu_che
 
   bash pallas_kernels/lab/gpu_check.sh                 # = python pallas_kernels/lab/gpu_check.py --out ${OUT:-.}/gpu_check.json
 
-(through the device tool, within a 15-minute lease: run(command="bash pallas_kernels/lab/gpu_check.sh
---stages env,kernel_tests,mosaic_variants --no_install --total_s 510", timeout_s=540): the kernels'
-correctness and the Mosaic kernel's variants against bf16, about 8.5 minutes; the run stops itself
-after --total_s plus a few seconds, and stages past it are recorded as "out of time".) It exits 0
-when every stage is "ok" or "skipped".
-If the machine reaches no package index, the install stage fails in seconds and the env stage's
-figures.missing_for_stage name what each stage lacks.
+Through the device tool, within a 15-minute lease, run it once within about 9.5 minutes:
+run(command="bash pallas_kernels/lab/gpu_check.sh --total_s 570", timeout_s=600). The RL job comes first (the
+figures that matter most), the kernel work last: the run stops itself after --total_s plus a few seconds, and
+stages past it are recorded as "out of time". It exits 0 when every stage is "ok" or "skipped". If the machine
+reaches no package index, the install stage fails in seconds and the env stage's figures.missing_for_stage
+name what each stage lacks. Every program of the main and rollout_scale stages was compiled for sm_90a
+beforehand, without a GPU (experiments/sm90_programs.py, docs/gpu/sm90_programs.md, tests/test_sm90_programs.py).
 
-Then commit the JSON (and the printed summary) as docs/gpu_check/<device>-<date>.json and quote the
-figures in the issue: kernel_tests' failures name a kernel that is wrong when compiled; fp4_matmul's
-dense / grouped rows give the FP4 / BF16 speedups against the 2.5x goal; rollout's rows give tokens/s
-of our engine on the GPU. A stage that failed or ran out of time keeps its stderr / stdout tail (and
-the whole log under gpu_check_logs/); fp4_matmul keeps the rows it measured before it was cut off.
-Rerun a subset with --stages kernel_tests,rollout.
+Then commit the JSON as docs/gpu_check/<device>-<date>-gpu_check.json and quote in the README's performance
+page: rollout_scale's tokens/s BF16 and FP4 and their ratio (fp4_over_bf16), main's wall time, the GRPO step
+time. A stage that failed or ran out of time keeps its stderr / stdout tail (and the whole log under
+gpu_check_logs/); the benchmarks keep the rows they measured before they were cut off. Rerun a subset with
+--stages main,rollout_scale.
 
-  python pallas_kernels/lab/gpu_check.py --smoke --out /tmp/gpu_check.json   # CPU path: no installs, tiny sizes (~1.5 min, 2 cores)
+  python pallas_kernels/lab/gpu_check.py --smoke --out /tmp/gpu_check.json   # CPU path: no installs, tiny sizes (~4 min, 2 cores)
 
 Stages, in order, each in its own process with its own time limit (a stage's limit is cut so that
 every later stage keeps at least --reserve_s of --total_s; one that fails or times out is recorded
 and the run goes on):
 
   env           jax / jaxlib versions, backend and devices (probed in a child process, so that this
-                process never holds the GPU), nvidia-smi, the versions of every required package.
+                process never holds the GPU), nvidia-smi, the versions of every required package; and the
+                DeprecationWarnings / FutureWarnings of importing the RL job and running a tiny engine
+                (a child under -W always::DeprecationWarning; `jax`: from jax), since the GPU image's jax
+                (0.11) is newer than this machine's (0.10.2).
   install       (not with --smoke or --no_install) pip-installs the packages of requirements.txt and
                 requirements-test.txt that are not installed at all, under a constraints file that
                 pins every installed distribution: nothing installed changes version, jax above all
                 (the GPU image's jax 0.11 stays). jax and jaxlib are never installed from the
                 requirements; `jax[cuda12]` at the installed jax version only if nvidia-smi sees a
-                GPU and jax has no GPU backend. torch comes from the CPU wheel index (the rollout
-                benchmark runs transformers on the CPU; CUDA torch would bring its own nvidia-* libs).
+                GPU and jax has no GPU backend. torch comes from the CPU wheel index.
                 Dev-only tools (ruff, notebooks) are left out.
+  main          the README's main command, `python -m trace_jax.main --config=configs/default.py
+                --workdir=gpu_check_logs/main_workdir` (--smoke: MAIN_SMOKE's tiny overrides, 2 steps); it must
+                finish; figures: summary.json and the wall time.
+  rollout_scale experiments/bench_rollout_scale.py --json: our BF16 engine against our FP4 engine end to end at
+                Qwen3-30B-A3B's layer shapes (as many layers as fit 80 GB in BF16), batch 64 and 256, prompt
+                512, 1024 new tokens: tokens/s, the compiled programs' memory, peak device memory (--smoke: tiny).
+  grpo_step     experiments/bench_grpo_step.py --json --modes bf16,qat,trace --tunix auto
+                (--smoke: --smoke --tunix skip --modes bf16).
+  outcome       experiments/outcome.py --json (--smoke), BUDGET_S in its environment: the outcome issue's GPU-scale
+                protocol, as many modes and steps as fit; "skipped" (with the reason) while the script is absent.
   kernel_tests  tests/test_fp4_mosaic.py and tests/test_pallas_kernels.py with TRACE_PALLAS_INTERPRET=0
-                (4 pytest-xdist processes: ~90 kernels compile cold; one process took over 120 s on an H200;
-                a test past 90 s, a kernel that hangs, ends its process and the others go on)
-                on a GPU: the Pallas kernels compiled through Triton (and the inline-PTX decode) and the
-                Mosaic GPU kernel (M = 1..64, tensor scale, every E4M3 scale byte) against their jnp
-                references. --smoke: interpret mode, a few tests.
-  mosaic_variants  pallas_kernels/lab/mosaic_variants.py (GPU only): the Mosaic kernel's variants (one or two
-                compute warpgroups, overlap, more slots, 8-row x tiles) and the bf16 baselines, dense
-                and grouped, each with its wall-clock and device (profiler) time; figures.rows. A row
-                that hangs is recorded as such and the script is rerun from the next row.
+                (4 pytest-xdist processes; a test past 90 s, a kernel that hangs, ends its process and the
+                others go on) on a GPU: the Pallas kernels compiled through Triton (and the inline-PTX decode)
+                and the Mosaic GPU kernel against their jnp references. --smoke: interpret mode, a few tests.
+  mosaic_variants  pallas_kernels/lab/mosaic_variants.py (GPU only): the Mosaic kernel's variants and the bf16
+                baselines, dense and grouped, each with its wall-clock and device (profiler) time; figures.rows.
+                A row that hangs is recorded as such and the script is rerun from the next row.
   fp4_matmul    pallas_kernels/lab/bench_fp4_matmul.py --json (BF16 against the FP4 kernels; --smoke: tiny).
-  rollout       experiments/bench_rollout.py --json (our engine, BF16 and FP4, against transformers
-                float32 on the CPU; --smoke: batch 2, 4 tokens).
-  grpo_step     experiments/bench_grpo_step.py --json --modes bf16,qat,trace --tunix auto, if present
-                (--smoke: --smoke --tunix skip); "skipped" if the file is not there.
 
 The JSON: {"stages": {name: {"status": "ok" | "failed" | "timeout" | "skipped", "seconds",
 "limit_s", "command", "returncode", "figures", "stdout_tail", "stderr_tail", ...}}, "summary":
@@ -75,15 +79,25 @@ import xml.etree.ElementTree as ET
 from importlib import metadata
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-STAGES = ("env", "install", "kernel_tests", "mosaic_variants", "fp4_matmul", "rollout", "grpo_step")
+STAGES = (
+  "env", "install", "main", "rollout_scale", "grpo_step", "outcome", "kernel_tests", "mosaic_variants", "fp4_matmul"
+)  # fmt: skip
 # Upper limits in seconds on one H200 (each is also cut to leave --reserve_s to every later stage).
 LIMITS = {
-  "env": 60, "install": 120, "kernel_tests": 210, "mosaic_variants": 420, "fp4_matmul": 120, "rollout": 120,
-  "grpo_step": 120,
+  "env": 60, "install": 120, "main": 180, "rollout_scale": 200, "grpo_step": 100, "outcome": 120,
+  "kernel_tests": 150, "mosaic_variants": 240, "fp4_matmul": 90,
 }  # fmt: skip
 SMOKE_LIMITS = {
-  "env": 60, "install": 0, "kernel_tests": 90, "mosaic_variants": 10, "fp4_matmul": 120, "rollout": 180, "grpo_step": 180
+  "env": 90, "install": 0, "main": 300, "rollout_scale": 120, "grpo_step": 180, "outcome": 180, "kernel_tests": 90,
+  "mosaic_variants": 10, "fp4_matmul": 120,
 }  # fmt: skip
+# main under --smoke: configs/default.py's SMOKE model and batch (2 layers, 2 prompts x 2), 2 RL steps, 2 SFT
+# steps, a small eval (the flags of `python -m trace_jax.main --config.FIELD=VALUE`).
+MAIN_SMOKE = (
+  "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
+  "model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=16", "batch_prompts=2",
+  "rl.num_generations=2", "sft.steps=2", "sft.batch_size=8", "steps=2", "eval_prompts=4", "checkpoint_every=2",
+)  # fmt: skip
 # --smoke: a few interpret-mode kernel tests (dense, grouped, the decodes, dispatch), ~10 s on 2 cores.
 SMOKE_KERNEL_TESTS = (
   "e2m1_decode_every_byte or e4m3_decode_every_byte or fp4_matmul_bf16_output or grouped_fp4_matmul_shapes"
@@ -95,7 +109,8 @@ NOT_NEEDED = {"ruff", "nbclient", "nbformat", "ipykernel"}  # dev tools: no stag
 NEEDS = {
   "kernel_tests": ["pytest", "absl-py", "ml-dtypes", "numpy"],
   "fp4_matmul": ["absl-py", "ml-dtypes", "numpy"],
-  "rollout": ["absl-py", "ml-dtypes", "numpy", "ml-collections", "optax", "safetensors", "torch", "transformers"],
+  "main": ["absl-py", "ml-dtypes", "numpy", "ml-collections", "optax"],
+  "rollout_scale": ["absl-py", "ml-dtypes", "numpy", "ml-collections", "optax"],
 }
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 TAIL = 4000  # characters of stdout / stderr kept per stage
@@ -114,6 +129,21 @@ try:
 except Exception:
   pass
 print("PROBE " + json.dumps(info))
+"""
+
+# Run with -W always::DeprecationWarning: imports the RL job and runs a tiny engine (bf16), recording every
+# DeprecationWarning / FutureWarning on the way (the GPU image's jax may deprecate what this one does not).
+DEPRECATIONS = r"""
+import json, warnings
+with warnings.catch_warnings(record=True) as caught:
+  warnings.simplefilter("always")
+  import trace_jax.main, trace_jax.train
+  from experiments import bench_rollout_scale
+  bench_rollout_scale.main(["--smoke", "--systems", "bf16", "--repeats", "0"])
+rows = [dict(category=w.category.__name__, message=str(w.message)[:300], where=f"{w.filename}:{w.lineno}",
+             jax="jax" in w.filename or "jax" in str(w.message).lower())
+        for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))]
+print("DEPRECATIONS " + json.dumps(list({(r["message"], r["where"]): r for r in rows}.values())))
 """
 
 
@@ -235,8 +265,15 @@ def stage_env(limit_s: float, logs: pathlib.Path, log_name: str = "env.log") -> 
     if extra in installed:
       packages[extra] = installed[extra]
   missing = {stage: [d for d in needs if d not in installed] for stage, needs in NEEDS.items()}
+  deprecations = _run([sys.executable, "-W", "always::DeprecationWarning", "-c", DEPRECATIONS],
+                      limit_s=max(limit_s - result["seconds"], 5), log=logs / f"deprecations_{log_name}",
+                      env=_child_env(XLA_PYTHON_CLIENT_PREALLOCATE="false"))  # fmt: skip
+  found = [line for line in deprecations["stdout"].splitlines() if line.startswith("DEPRECATIONS ")]
   figures = dict(
     probe=probe,
+    deprecation_warnings=json.loads(found[-1][len("DEPRECATIONS ") :])
+    if found
+    else {"error": _tail(deprecations["stderr"], 1000), "timed_out": deprecations["timed_out"]},
     missing_for_stage={stage: names for stage, names in missing.items() if names},
     python=sys.executable,
     cpu_count=os.cpu_count(),
@@ -421,12 +458,32 @@ def stage_fp4_matmul(limit_s, logs, smoke):
   return _bench_stage("fp4_matmul", "pallas_kernels/lab/bench_fp4_matmul.py", args, limit_s, logs)
 
 
-def stage_rollout(limit_s, logs, smoke):
-  if smoke:  # one thread: multi-threaded torch stalls at its OpenMP barriers on a shared machine
-    args = ["--smoke", "--threads", "1"]
-  else:  # transformers runs on the CPU (all cores); bfloat16 there is slow and says nothing about the GPU
-    args = ["--batches", "8,64", "--new_tokens", "64", "--repeats", "2", "--hf_dtypes", "float32"]
-  return _bench_stage("rollout", "experiments/bench_rollout.py", args, limit_s, logs)
+def stage_main(limit_s, logs, smoke):
+  """The README's main command, `python -m trace_jax.main --config=configs/default.py --workdir=...` (--smoke:
+  MAIN_SMOKE's tiny overrides): it must finish; figures: its summary.json and wall time."""
+  workdir = logs / "main_workdir"
+  shutil.rmtree(workdir, ignore_errors=True)
+  cmd = [sys.executable, "-m", "trace_jax.main", "--config=configs/default.py", f"--workdir={workdir}"]
+  cmd += [f"--config.{flag}" for flag in MAIN_SMOKE] if smoke else []
+  result = _run(cmd, limit_s=limit_s, log=logs / "main.log", env=_child_env(XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+  summary = _read_json(workdir / "summary.json")
+  figures = dict(wall_s=round(result["seconds"], 1), summary=summary)
+  return _stage_record(cmd, result, limit_s, result["returncode"] == 0 and "error" not in summary, figures=figures)
+
+
+def stage_rollout_scale(limit_s, logs, smoke):
+  """experiments/bench_rollout_scale.py: our BF16 engine against our FP4 engine at Qwen3-30B-A3B layer shapes."""
+  return _bench_stage(
+    "rollout_scale", "experiments/bench_rollout_scale.py", ["--smoke"] if smoke else [], limit_s, logs
+  )
+
+
+def stage_outcome(limit_s, logs, smoke):
+  """experiments/outcome.py (the outcome issue's GPU-scale protocol) with --json (and --smoke), its time in the
+  environment (BUDGET_S: this stage's limit less 30 s, for as many modes and steps as fit); skipped while the
+  script does not exist."""
+  budget = int(max(limit_s - 30, 10))
+  return _bench_stage("outcome", "experiments/outcome.py", ["--smoke"] if smoke else [], limit_s, logs, BUDGET_S=budget)
 
 
 def stage_grpo_step(limit_s, logs, smoke):
@@ -483,10 +540,15 @@ def _one_line(name: str, stage: dict) -> str:
         f"{r['layer']} T={r['tokens']} {r['speedup']:.2f}x" for r in figures.get("grouped", []) if r.get("speedup")
       ]
       line += "  fp4/bf16: " + "; ".join(dense + grouped)
-    elif name == "rollout" and "rows" in figures:
-      b = figures["largest_batch"]
-      speeds = [f"{r['system']} {r['new_tokens_per_s']:.0f} tok/s" for r in figures["rows"] if r["batch"] == b]
-      line += f"  batch {b}: " + ", ".join(speeds)
+    elif name == "main" and "summary" in figures:
+      line += f"  wall {figures['wall_s']} s; " + ", ".join(
+        f"{k} {v:.3g}" for k, v in list((figures["summary"] or {}).items())[:6] if isinstance(v, (int, float))
+      )
+    elif name == "rollout_scale" and "rows" in figures:
+      line += f"  {figures['layers']} layers: " + "; ".join(
+        f"{r['system']} b={r['batch']} {r.get('new_tokens_per_s')} tok/s" for r in figures["rows"]
+      )
+      line += f"; fp4/bf16 {figures.get('fp4_over_bf16')}"
     elif name == "grpo_step" and figures:
       line += "  figures: " + ", ".join(list(figures)[:10])
     elif stage.get("reason"):
