@@ -399,7 +399,7 @@ def _lowered(jitted, args, static: dict):
 def as_hopper():
   """Trace as on an H100 / H200: `jax.default_backend()` says 'gpu' and `pallas_kernels.is_hopper()` True, so
   that the choices the code makes while tracing are the GPU's (`select_impl`'s Mosaic kernel and the expert
-  layout it takes, moe's ragged grouped dot, the engine's bf16 KV carriers, compiled Triton kernels)."""
+  layout it takes, moe's tiled grouped dot, the engine's bf16 KV carriers, compiled Triton kernels)."""
   from unittest import mock
 
   import pallas_kernels

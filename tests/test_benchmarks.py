@@ -40,14 +40,21 @@ def test_gpu_check_smoke_writes_every_stage(tmp_path):
   for row in fp4["dense"] + fp4["grouped"]:
     assert row["err"] < 1e-2 and row["speedup"] > 0 and row["ptx_us"] is None  # no PTX in interpret mode
 
-  rollout = stages["rollout"]["figures"]
-  assert rollout["smoke"] and rollout["batches"] == [2] and rollout["new_tokens"] == 4
-  systems = {row["system"]: row for row in rollout["rows"]}
-  assert set(systems) == {"ours bf16", "ours fp4", "transformers float32"}
-  for row in systems.values():
-    assert row["new_tokens_per_s"] > 0 and row["steady_s"] > 0 and row["first_call_s"] > 0
-  assert set(rollout["ratio_at_largest_batch"]) == {"ours bf16", "ours fp4"}
-  assert rollout["greedy_agreement"][0]["system"] == "ours bf16"
+  main = stages["main"]["figures"]
+  assert main["wall_s"] > 0 and "error" not in main["summary"] and main["summary"], main
+  assert stages["main"]["command"].endswith("--config.checkpoint_every=2")  # MAIN_SMOKE's overrides
+
+  scale = stages["rollout_scale"]["figures"]
+  assert scale["smoke"] and {(r["system"], r["batch"]) for r in scale["rows"]} == {("bf16", 2), ("fp4", 2)}
+  for row in scale["rows"]:
+    assert row["new_tokens_per_s"] > 0 and row["compiled_memory"]["peak"] > 0
+  assert set(scale["fp4_over_bf16"]) == {"2"}
+
+  env = stages["env"]["figures"]
+  assert isinstance(env["deprecation_warnings"], list), env["deprecation_warnings"]
+  outcome = stages["outcome"]
+  if not os.path.exists(os.path.join(REPO, "experiments", "outcome.py")):
+    assert outcome["status"] == "skipped" and "not present" in outcome["reason"]
 
   grpo = stages["grpo_step"]
   if os.path.exists(os.path.join(REPO, "experiments", "bench_grpo_step.py")):
@@ -55,7 +62,7 @@ def test_gpu_check_smoke_writes_every_stage(tmp_path):
   else:
     assert grpo["status"] == "skipped" and "not present" in grpo["reason"]
   logs = out.parent / "gpu_check_logs"
-  assert (logs / "kernel_tests.xml").exists() and (logs / "rollout.log").exists()
+  assert (logs / "kernel_tests.xml").exists() and (logs / "main.log").exists() and (logs / "rollout_scale.log").exists()
 
 
 def test_a_stage_past_its_limit_is_killed_and_recorded(tmp_path):

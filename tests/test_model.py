@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
+from pallas_kernels import gpu_compile
 from tests.tiny import tiny_model
 from trace_jax import model, moe, qat, quantizer, sharding
 from trace_jax.config import MOE_HIDDEN, ConfigError, ModelConfig, QuantConfig, section
@@ -428,7 +429,10 @@ def test_grouped_dot_matches_ragged_dot(impl, sizes):
 
 
 def test_grouped_dot_picks_by_backend_and_refuses_unknown_impls():
-  assert moe.grouped_dot_impl("auto") == ("tiled" if jax.default_backend() == "cpu" else "ragged")
-  assert moe.grouped_dot_impl("auto", inference=True) == ("capacity" if jax.default_backend() == "cpu" else "ragged")
+  assert moe.grouped_dot_impl("auto") == ("ragged" if jax.default_backend() == "tpu" else "tiled")
+  want = {"cpu": "capacity", "tpu": "ragged"}.get(jax.default_backend(), "tiled")
+  assert moe.grouped_dot_impl("auto", inference=True) == want
+  with gpu_compile.as_hopper():  # XLA:GPU's ragged_dot is a dense [G, M, K] matmul: the tiled layout there
+    assert moe.grouped_dot_impl("auto") == moe.grouped_dot_impl("auto", inference=True) == "tiled"
   with pytest.raises(ValueError, match="impl must be one of"):
     moe.grouped_dot_impl("megablox")

@@ -155,8 +155,8 @@ def grouped_matmul(x: jax.Array, w: PackedExperts, group_sizes: jax.Array | None
   Packed FP4 weights (codes or fragments, see `expert_layout`) go through
   `pallas_kernels.grouped_packed_matmul`, the equal groups of the expert-parallel exchange included
   (never decoded to memory first): a Pallas kernel on GPU with impl='auto' (logged once), its jnp
-  reference elsewhere. Decoded weights go through `moe.grouped_dot` (batched matmuls over row
-  tiles on CPU, `lax.ragged_dot` elsewhere).
+  reference elsewhere. Decoded weights go through `moe.grouped_dot` (`grouped_dot_impl`: capacity buckets on
+  CPU, row tiles on GPU, `lax.ragged_dot` on TPU).
   """
   if isinstance(w, (fp4.QuantizedArray, pallas_kernels.mosaic.FragmentWeight)):
     if group_sizes is None:
@@ -406,7 +406,8 @@ def _act(x, quant: QuantConfig | None, target: str):
 
 
 def _attention(p, x, cache: KVCache, start, positions, slot_mask, st: EngineSettings):
-  """Engine attention: write new K/V into the cache at `start`, attend over the whole cache."""
+  """Engine attention: write new K/V into the cache at `start`, attend over the cache's slots up to start + S
+  (the whole cache where start is traced: decode)."""
   c, quant, dt = st.model, st.quant, st.dtype
   b, s, _ = x.shape
   xa, _ = _act(x, quant, "attention")
@@ -419,14 +420,16 @@ def _attention(p, x, cache: KVCache, start, positions, slot_mask, st: EngineSett
   cos, sin = attention.rope_tables(positions, c.rotary_dim, c.rope_theta, dtype=dt)
   q, k = attention.apply_rope(q, cos, sin), attention.apply_rope(k, cos, sin)
   cache, keys, values = _cache_update(cache, k, v, start, st)  # keys, values [B, KV, T, D]
-  t = keys.shape[2]
+  if isinstance(start, int):  # prefill at a static slot: the slots past start + S are masked, so not read
+    keys, values = keys[:, :, : start + s], values[:, :, : start + s]  # ([B, KV, G*S, T] f32 scores: 25.8 GB at
+  t = keys.shape[2]  # batch 256 x 32 heads, prompt 512 and T = 1536 per layer; 8.6 GB over the prompt's slots)
   groups = c.num_heads // c.num_kv_heads
   # queries [B, KV, groups * S, D]: batch axes first, as the matmuls want them
   qg = q.reshape(b, s, c.num_kv_heads, groups, c.head_dim).transpose(0, 2, 3, 1, 4)
   qg = _carry(qg.reshape(b, c.num_kv_heads, groups * s, c.head_dim), keys.dtype)
   scores = jnp.einsum("bkqd,bktd->bkqt", qg, keys, preferred_element_type=jnp.float32) * (c.head_dim**-0.5)
   query_slot = jnp.tile(start + jnp.arange(s), groups)  # [groups * S], group-major
-  allowed = (jnp.arange(t)[None, :] <= query_slot[:, None])[None] & slot_mask[:, None, :].astype(bool)
+  allowed = (jnp.arange(t)[None, :] <= query_slot[:, None])[None] & slot_mask[:, None, :t].astype(bool)
   scores = jnp.where(allowed[:, None], scores, attention.NEG_INF)
   probs = _carry(jax.nn.softmax(scores, axis=-1).astype(dt), values.dtype)
   out = jnp.einsum("bkqt,bktd->bkqd", probs, values, preferred_element_type=jnp.float32).astype(dt)
