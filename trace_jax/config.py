@@ -283,7 +283,7 @@ class TraceConfig:
   routed experts' input (once per token, shared by its k experts), their hidden activation (k rows
   per token), and K / V as the FP4 cache stores them. The default, the experts' input and K / V,
   was measured to keep most of what all four give for a third of the bytes on Qwen3-30B-A3B
-  (README, "Guided tensors"); the paper's accounting is the experts' input alone.
+  (docs/method.md, "Guided tensors"); the paper's accounting is the experts' input alone.
   diagnostics: the FP4 engine also records full codes in every layer, so that per-layer
   codeword agreement is measured in every mode (costs rollout memory, not guidance).
   """
