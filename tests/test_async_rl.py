@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests.test_train import cli_overrides, rows_without_time, run_main, tiny_config
+from tests.tiny import skip_evaluation
 from trace_jax import async_rl, train
 from trace_jax.config import ConfigError
 from trace_jax.metrics_writer import read_metrics
@@ -128,21 +129,11 @@ def test_bad_async_settings_name_the_field(overrides, field, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
-
-
-@pytest.fixture
-def no_eval(monkeypatch):
-  monkeypatch.setattr(train, "evaluate", lambda *args, **kwargs: 0.0)
-
-
-@pytest.fixture(scope="module")
 def async_run(data_dir, tmp_path_factory):
   """The uninterrupted trace run with max_version_diff=2 (exact), evaluation stubbed."""
   workdir = str(tmp_path_factory.mktemp("async"))
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(train, "evaluate", lambda *args, **kwargs: 0.0)
+    skip_evaluation(mp)
     train.train_and_evaluate(tiny_config(data_dir, **ASYNC), workdir)
   return workdir
 

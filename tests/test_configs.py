@@ -35,17 +35,22 @@ def test_tiny_preset():
   assert logits.shape == (2, 16, 64)
 
 
-def test_qwen3_5_35b_a3b_parameter_count():
-  """Qwen3.5-35B-A3B's text model: 34.7B parameters (the published 35B also counts the vision tower and the
-  MTP head, which this model does not load), 3.45B active per token (embeddings and lm_head included; 'A3B')."""
-  c = model_config(models.qwen3_5_35b_a3b())
-  assert c.linear_layers == tuple(i for i in range(40) if (i + 1) % 4) and len(c.attention_layers) == 10
+def parameter_counts(c) -> tuple[int, int]:
+  """(all parameters, those active per token) of a model config, from abstract shapes (nothing allocated)."""
   params = jax.eval_shape(lambda: model.init_params(c, jax.random.key(0)))
   total = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
   experts = sum(
     int(np.prod(w.shape)) for layer in params.layers for w in (layer.mlp.gate, layer.mlp.up, layer.mlp.down)
   )
-  active = total - experts + experts * c.num_experts_per_tok // c.num_experts
+  return total, total - experts + experts * c.num_experts_per_tok // c.num_experts
+
+
+def test_qwen3_5_35b_a3b_parameter_count():
+  """Qwen3.5-35B-A3B's text model: 34.7B parameters (the published 35B also counts the vision tower and the
+  MTP head, which this model does not load), 3.45B active per token (embeddings and lm_head included; 'A3B')."""
+  c = model_config(models.qwen3_5_35b_a3b())
+  assert c.linear_layers == tuple(i for i in range(40) if (i + 1) % 4) and len(c.attention_layers) == 10
+  total, active = parameter_counts(c)
   assert 34.5e9 < total < 35.0e9, total
   assert 3.3e9 < active < 3.6e9, active
 
@@ -53,12 +58,7 @@ def test_qwen3_5_35b_a3b_parameter_count():
 def test_qwen3_30b_a3b_parameter_count():
   """30.5B parameters in all and 3.3B active per token, as Qwen reports."""
   c = model_config(models.qwen3_30b_a3b())
-  params = jax.eval_shape(lambda: model.init_params(c, jax.random.key(0)))
-  total = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
-  experts = sum(
-    int(np.prod(w.shape)) for layer in params.layers for w in (layer.mlp.gate, layer.mlp.up, layer.mlp.down)
-  )
-  active = total - experts + experts * c.num_experts_per_tok // c.num_experts
+  total, active = parameter_counts(c)
   assert 30.4e9 < total < 30.6e9, total
   assert 3.2e9 < active < 3.4e9, active
 

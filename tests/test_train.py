@@ -67,22 +67,12 @@ SPEC_KEYS = (
 # --- fixtures and helpers -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
-
-
 def tiny_config(data_dir, mode="trace", **overrides):
   return sweep.configure(default.get_config(mode), {**TINY, "data.data_dir": data_dir, **overrides})
 
 
 def cli_overrides(data_dir, **overrides):
   return [f"--config.{k}={v}" for k, v in {**TINY, "data.data_dir": data_dir, **overrides}.items()]
-
-
-@pytest.fixture
-def no_eval(monkeypatch):
-  monkeypatch.setattr(train, "evaluate", lambda *args, **kwargs: 0.0)
 
 
 @pytest.fixture(scope="module")
