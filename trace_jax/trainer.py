@@ -16,7 +16,7 @@ import optax
 
 from trace_jax import model, qat, rl, sharding
 from trace_jax.config import MOE_HIDDEN, ModelConfig, OptimConfig, RunConfig
-from trace_jax.experience import TrainBatch, measured_positions
+from trace_jax.experience import TrainBatch, measured_positions, rollout_inputs
 from trace_jax.quantizer import Guidance, QuantStats
 
 
@@ -196,12 +196,9 @@ def _rl_forward(run: RunConfig, expert_parallel, guided: bool = True):
       batch.mask,
       config,
       ctx=ctx,
-      guidance=batch.guidance,
-      replay_ids=batch.replay_ids,
       moe_impl=moe_impl,
       expert_parallel=expert_parallel,
-      stats_mask=measured_positions(batch),
-      guidance_ids=batch.rollout_ids,
+      **rollout_inputs(batch),
     )
     return model.token_logprobs(logits, batch.targets, run.sampling), aux  # the policy that sampled
 
