@@ -11,7 +11,16 @@ from ml_collections import config_flags
 
 from configs import default, models
 from trace_jax import model
-from trace_jax.config import SECTIONS, ConfigError, QuantConfig, RunConfig, defaults, model_config
+from trace_jax.config import (
+  DEFAULT_SFT_STEPS,
+  SECTIONS,
+  ConfigError,
+  QuantConfig,
+  RunConfig,
+  SFTConfig,
+  defaults,
+  model_config,
+)
 
 DEFAULT_FILE = pathlib.Path(default.__file__)
 PRESETS = sorted(models.PRESETS)
@@ -85,8 +94,10 @@ def test_config_defaults_live_in_the_dataclasses():
   """configs/default.py takes every section from the config dataclasses: one place for defaults."""
   cfg = default.get_config()
   run = RunConfig.from_config(cfg)
+  resolved = {"sft": SFTConfig(steps=DEFAULT_SFT_STEPS)}  # -1: the default number of SFT steps from random weights
   for name, cls in SECTIONS.items():
-    assert getattr(run, name if name not in ("rollout", "rl") else {"rollout": "sampling", "rl": "grpo"}[name]) == cls()
+    field = {"rollout": "sampling", "rl": "grpo"}.get(name, name)
+    assert getattr(run, field) == resolved.get(name, cls())
   assert cfg.to_dict() == {**defaults().to_dict(), "model": models.tiny().to_dict()}
 
 

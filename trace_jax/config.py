@@ -521,7 +521,7 @@ class OptimConfig:
       _fail("optim.grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}.")
 
 
-VERIFIERS = ("exact", "numeric", "code")
+VERIFIERS = ("exact", "numeric", "code", "math")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -530,7 +530,9 @@ class RewardConfig:
 
   verifier: 'exact' (the arithmetic and running-sum tasks: the number after the last ';' must equal
     the answer's), 'numeric' (GSM8K-style JSONL: the last number), 'code' (the code tasks: the
-    program runs in the sandbox against the hidden tests; data.task code_* needs it).
+    program runs in the sandbox against the hidden tests; data.task code_* needs it), 'math' (the
+    response's last \\boxed{} or GSM8K-style final number against the reference through math-verify:
+    1/2, 0.5 and \\frac{1}{2} agree; data.task 'math').
   partial_credit: a response whose final answer is wrong still earns correct_reward times the
     share of the answer's intermediate results it got right, in place (exact: the ';'-separated
     results of the running sum; the arithmetic task's answers have only the final one), or the
@@ -539,7 +541,7 @@ class RewardConfig:
   code_timeout_s: the wall-clock limit of one program (code verifier).
   """
 
-  verifier: Literal["exact", "numeric", "code"] = "exact"
+  verifier: Literal["exact", "numeric", "code", "math"] = "exact"
   correct_reward: float = 1.0
   format_reward: float = 0.1
   partial_credit: bool = False
@@ -548,15 +550,17 @@ class RewardConfig:
   def __post_init__(self):
     if self.verifier not in VERIFIERS:
       _fail("reward.verifier", f"must be one of {VERIFIERS}, got {self.verifier!r}.")
-    if self.partial_credit and self.verifier == "numeric":
+    if self.partial_credit and self.verifier in ("numeric", "math"):
       _fail(
-        "reward.partial_credit", "the 'numeric' verifier has no intermediate results to credit; use 'exact' or 'code'."
+        "reward.partial_credit",
+        f"the {self.verifier!r} verifier has no intermediate results to credit; use 'exact' or 'code'.",
       )
     if not self.code_timeout_s > 0:
       _fail("reward.code_timeout_s", f"must be > 0, got {self.code_timeout_s}.")
 
 
-TASKS = ("arithmetic", "running_sum", "code_synthesis", "code_jsonl")
+TASKS = ("arithmetic", "running_sum", "code_synthesis", "code_jsonl", "math")
+CHAT_TEMPLATES = ("auto", "none")
 CODE_TASKS = ("code_synthesis", "code_jsonl")
 
 
@@ -569,7 +573,13 @@ class DataConfig:
     blank that the response fills with the partial sum; data/long_tasks.py), 'code_synthesis'
     (write f from 3 input/output pairs; hidden tests run in the sandbox), 'code_jsonl' (MBPP/HumanEval-style problems from jsonl_train /
     jsonl_test). The code tasks need reward.verifier='code' and a model.vocab_size >= 100 (their
-    character tokenizer covers printable ASCII).
+    character tokenizer covers printable ASCII), 'math' (math word problems from jsonl_train / jsonl_test,
+    JSONL or Parquet, scored by reward.verifier='math'; data/math_tasks.py).
+  prompt_field / answer_field: the math task's columns; '' reads GSM8K ('question' / 'answer' ending
+    in '#### 42') and MATH / DAPO-style ('problem' / 'solution' with \\boxed{...}) rows alike.
+  skip_bad_rows: a malformed row of the math task is skipped and counted, not an error (FILE:LINE).
+  chat_template: 'auto' applies the tokenizer's chat template (tokenizer_config.json) to every prompt
+    when it has one; 'none' encodes the prompt text as it is. system_prompt: a system message before it.
   levels: the arithmetic task's levels. sum_terms: the running sum's horizon (every response is
     sum_terms * (2 * term_digits + 1) tokens: 13 -> 65 at 2 digits). term_digits: digits per term
     (the work per step: 1 a sum mod 10, 2 an addition with a carry).
@@ -588,10 +598,17 @@ class DataConfig:
   max_prompt_len: int = 12
   jsonl_train: str = ""
   jsonl_test: str = ""  # '' = evaluate on jsonl_train
+  prompt_field: str = ""
+  answer_field: str = ""
+  skip_bad_rows: bool = False
+  chat_template: str = "auto"
+  system_prompt: str = ""
 
   def __post_init__(self):
     if self.task not in TASKS:
       _fail("data.task", f"unknown task {self.task!r}; expected one of {TASKS}.")
+    if self.chat_template not in CHAT_TEMPLATES:
+      _fail("data.chat_template", f"must be one of {CHAT_TEMPLATES}, got {self.chat_template!r}.")
     if not 2 <= self.sum_terms <= 256:
       _fail("data.sum_terms", f"must lie in [2, 256], got {self.sum_terms}.")
     if not 1 <= self.term_digits <= 6:
@@ -599,14 +616,17 @@ class DataConfig:
     for name in ("num_train", "num_test", "max_prompt_len"):
       if getattr(self, name) < 1:
         _fail(f"data.{name}", f"must be >= 1, got {getattr(self, name)}.")
-    if self.task == "code_jsonl" and not self.jsonl_train:
-      _fail("data.jsonl_train", "task 'code_jsonl' reads its problems from a JSONL file; set data.jsonl_train.")
+    if self.task in ("code_jsonl", "math") and not self.jsonl_train:
+      _fail("data.jsonl_train", f"task {self.task!r} reads its problems from a file; set data.jsonl_train.")
     if self.task in ("running_sum", "code_synthesis") and (self.jsonl_train or self.jsonl_test):
       _fail(
         "data.jsonl_train", f"task {self.task!r} is generated and reads no JSONL; unset data.jsonl_train/jsonl_test."
       )
     if self.jsonl_test and not self.jsonl_train:
       _fail("data.jsonl_test", "is only read with data.jsonl_train set.")
+
+
+DEFAULT_SFT_STEPS = 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -616,15 +636,18 @@ class SFTConfig:
   cache_dir: set to share the (deterministic) SFT result between runs, e.g. a sweep's modes.
   seed: the warm start's seed (the initial parameters and the SFT data order); -1: the run's
     `seed`. Set it to run several RL seeds from one warm start (they then share a cache entry).
+  steps: -1 = DEFAULT_SFT_STEPS from random weights and none from a pretrained one (init_from).
   """
 
-  steps: int = 300
+  steps: int = -1
   batch_size: int = 64
   cache_dir: str = ""
   seed: int = -1
   optim: OptimConfig = OptimConfig(learning_rate=3e-3, warmup_steps=20, end_lr_fraction=0.05)
 
   def __post_init__(self):
+    if self.steps < -1:
+      _fail("sft.steps", f"must be >= 0, or -1 for the default; got {self.steps}.")
     if self.seed < -1:
       _fail("sft.seed", f"must be >= 0, or -1 for the run's seed; got {self.seed}.")
 
@@ -675,9 +698,14 @@ class JobConfig:
 
   trainer_dtype: the trainer's matmul inputs (fp32 master weights, fp32 accumulation either way);
   'float32' makes sharded-vs-single-device comparisons tight.
+  init_from: a Hugging Face model directory (config.json + safetensors) to start from: the model
+    section comes from its config.json, the weights load straight into the trainer's shardings, the
+    tokenizer is its own (unless data.tokenizer is set) and SFT is off unless sft.steps says otherwise.
+  steps: RL steps; 0 runs none and exports the starting policy (WORKDIR/hf/).
   """
 
   seed: int = 0
+  init_from: str = ""
   mode: str = "trace"  # bf16 | fp4 | qat | qat_w4a16 | trace | trace_full
   steps: int = 60
   batch_prompts: int = 8  # prompts per step; x rl.num_generations sequences
@@ -690,7 +718,9 @@ class JobConfig:
 
   def __post_init__(self):
     _check_mode(self.mode)
-    for name in ("steps", "batch_prompts", "checkpoint_every", "eval_prompts"):
+    if self.steps < 0:
+      _fail("steps", f"must be >= 0 (0: export the starting policy), got {self.steps}.")
+    for name in ("batch_prompts", "checkpoint_every", "eval_prompts"):
       if getattr(self, name) < 1:
         _fail(name, f"must be >= 1, got {getattr(self, name)}.")
     if self.trainer_dtype not in ("bfloat16", "float32"):
@@ -759,6 +789,33 @@ def model_config(config_section) -> ModelConfig:
   return section(ModelConfig, config_section, "model")
 
 
+def pretrained_model(init_from: str, config_section=None) -> ModelConfig:
+  """The ModelConfig of the Hugging Face checkpoint at `init_from` (its config.json).
+
+  config_section: the run's `model` section; a field set there (not None) must agree with the
+  checkpoint: a preset or --config.model.* override that contradicts it is an error naming the field.
+  """
+  from trace_jax import hf  # noqa: PLC0415 (config stays importable without jax)
+
+  model = hf.read_config(init_from)
+  given = {} if config_section is None else dict(getattr(config_section, "to_dict", lambda: config_section)())
+  unknown = sorted(set(given) - {f.name for f in dataclasses.fields(ModelConfig)})
+  if unknown:
+    _fail(f"model.{unknown[0]}", "unknown field of ModelConfig.")
+  for name, value in sorted(given.items()):
+    if value is None:
+      continue
+    ours = getattr(model, name)
+    value = tuple(value) if isinstance(value, list) else value
+    if value != ours:
+      _fail(
+        f"model.{name}",
+        f"is {value!r}, but init_from={init_from} says {ours!r} (its config.json): the model section comes from "
+        "the checkpoint. Drop the preset or the override (configs/hf_math.py leaves the model section unset).",
+      )
+  return model
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   """The validated, frozen view of a run's ConfigDict: one field per section (see the module docstring)."""
@@ -797,7 +854,10 @@ class RunConfig:
     """tokenizer: supplies EOS / PAD and the vocabulary the model must cover (None: the defaults)."""
     top = {k: v for k, v in cfg.items() if k not in SECTIONS and k != "model"}
     job = section(JobConfig, top, "config")
-    model = model_config(cfg.model)
+    model = pretrained_model(job.init_from, cfg.get("model")) if job.init_from else model_config(cfg.model)
+    sft = section(SFTConfig, cfg.get("sft", {}), "sft")
+    if sft.steps < 0:
+      sft = dataclasses.replace(sft, steps=0 if job.init_from else DEFAULT_SFT_STEPS)
     quant = section(QuantConfig, cfg.get("quant", {}), "quant")
     trace = section(TraceConfig, cfg.get("trace", {}), "trace")
     run = cls(
@@ -810,7 +870,7 @@ class RunConfig:
       optim=section(OptimConfig, cfg.get("optim", {}), "optim"),
       reward=section(RewardConfig, cfg.get("reward", {}), "reward"),
       data=section(DataConfig, cfg.get("data", {}), "data"),
-      sft=section(SFTConfig, cfg.get("sft", {}), "sft"),
+      sft=sft,
       mesh=section(MeshConfig, cfg.get("mesh", {}), "mesh"),
       distributed=section(DistributedConfig, cfg.get("distributed", {}), "distributed"),
       mode=resolve_mode(job.mode, model, quant, trace),
