@@ -789,15 +789,33 @@ def model_config(config_section) -> ModelConfig:
   return section(ModelConfig, config_section, "model")
 
 
+# ModelConfig fields that are ours, not the checkpoint's (how the trainer computes, not what the model is).
+OWN_MODEL_FIELDS = ("linear_chunk_size",)
+
+
+def unset_model_section() -> ml_collections.ConfigDict:
+  """A `model` section of placeholders (None, typed) for runs whose model comes from init_from: a
+  --config.model.FIELD override then parses, and must agree with the checkpoint's config.json."""
+  types = {"int": int, "float": float, "bool": bool, "str": str}
+  fields = {}
+  for f in dataclasses.fields(ModelConfig):
+    kind = types.get(str(f.type), tuple)
+    fields[f.name] = ml_collections.FieldReference(None, field_type=kind)
+  return ml_collections.ConfigDict(fields)
+
+
 def pretrained_model(init_from: str, config_section=None) -> ModelConfig:
   """The ModelConfig of the Hugging Face checkpoint at `init_from` (its config.json).
 
   config_section: the run's `model` section; a field set there (not None) must agree with the
-  checkpoint: a preset or --config.model.* override that contradicts it is an error naming the field.
+  checkpoint: a preset or --config.model.* override that contradicts it is an error naming the field
+  (the fields of OWN_MODEL_FIELDS are taken from it).
   """
   from trace_jax import hf  # noqa: PLC0415 (config stays importable without jax)
 
   model = hf.read_config(init_from)
+  own = {k: config_section[k] for k in OWN_MODEL_FIELDS if config_section and config_section.get(k) is not None}
+  model = dataclasses.replace(model, **own)
   given = {} if config_section is None else dict(getattr(config_section, "to_dict", lambda: config_section)())
   unknown = sorted(set(given) - {f.name for f in dataclasses.fields(ModelConfig)})
   if unknown:

@@ -334,13 +334,11 @@ def _check_exportable(config: ModelConfig, arch: str):
       problems.append("shared_expert_intermediate_size = 0 (Qwen3.5-MoE has a gated shared expert)")
     if len(config.moe_layers) != config.num_layers:
       problems.append("dense MLP layers (Qwen3.5-MoE is sparse in every layer)")
-    if problems:
-      raise HFCheckpointError(f"cannot export as {arch}: config.model has " + "; ".join(problems) + ".")
-    return
-  if config.linear_layers or config.zero_centered_norm or config.attention_output_gate:
-    problems.append("Qwen3.5 features (linear_attention layers, zero-centred norms or gated attention)")
-  if config.shared_expert_intermediate_size:
-    problems.append("shared_expert_intermediate_size > 0 (neither architecture has a shared expert)")
+  else:
+    if config.linear_layers or config.zero_centered_norm or config.attention_output_gate:
+      problems.append("Qwen3.5 features (linear_attention layers, zero-centred norms or gated attention)")
+    if config.shared_expert_intermediate_size:
+      problems.append("shared_expert_intermediate_size > 0 (neither architecture has a shared expert)")
   if arch == QWEN3_MOE and not config.qk_norm:
     problems.append("qk_norm = False (Qwen3-MoE always has QK-norm)")
   if arch == MIXTRAL:

@@ -25,17 +25,33 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from trace_jax import async_rl, checkpoint, cluster, data, experience, job, model, rl, rollout, sharding, trainer
+from trace_jax import (
+  async_rl,
+  checkpoint,
+  cluster,
+  data,
+  experience,
+  export,
+  hf,
+  job,
+  model,
+  rl,
+  rollout,
+  sharding,
+  trainer,
+)
 from trace_jax.config import ConfigError, DataConfig, QuantConfig, RunConfig
 from trace_jax.experience import measured_positions
 from trace_jax.metrics_writer import read_metrics
 
 
-def load_data(cfg: DataConfig, max_new_tokens: int | None = None):
+def load_data(cfg: DataConfig, max_new_tokens: int | None = None, pretrained: str = ""):
   """(tokenizer, train source, test source) for the configured task (data.task).
 
   The tokenizer is the task's character tokenizer (data.task_alphabet) unless data.tokenizer names
-  a tokenizer.json. Sources: the arithmetic and running-sum tasks are tfds array_record datasets
+  a tokenizer.json or a model folder, or `pretrained` (config.init_from) is a model folder: then it
+  is that folder's tokenizer, with its chat template (data.chat_template, data.system_prompt).
+  Sources: the math task reads JSONL or Parquet problems (data.jsonl_train / jsonl_test). Otherwise the arithmetic and running-sum tasks are tfds array_record datasets
   (built once under data.data_dir), or {"prompt", "answer"} JSONL for 'arithmetic' with
   data.jsonl_train; the code tasks are lists of Examples whose answer is the hidden tests
   (data.code_sources).
@@ -45,7 +61,9 @@ def load_data(cfg: DataConfig, max_new_tokens: int | None = None):
   generated tasks are checked on their longest problems (exact for the character tokenizer), files
   and code problems one by one.
   """
-  tokenizer = data.load_tokenizer(cfg.tokenizer or None, task=cfg.task)
+  spec = cfg.tokenizer or pretrained or None
+  chat = dict(chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)
+  tokenizer = data.load_tokenizer(spec, task=cfg.task, **(chat if spec and os.path.isdir(spec) else {}))
 
   def check(examples):
     if max_new_tokens is not None:
@@ -54,6 +72,12 @@ def load_data(cfg: DataConfig, max_new_tokens: int | None = None):
   if cfg.task in ("code_synthesis", "code_jsonl"):
     train, test = data.code_sources(cfg)
     check({f"problem {ex.metadata['name']}": ex for src in (train, test) for ex in src})
+    return tokenizer, train, test
+  if cfg.task == "math":
+    fields = dict(prompt_field=cfg.prompt_field, answer_field=cfg.answer_field, skip_bad_rows=cfg.skip_bad_rows)
+    train = data.MathSource(cfg.jsonl_train, **fields)
+    test = data.MathSource(cfg.jsonl_test, **fields) if cfg.jsonl_test else train
+    check({f"{src.path}:{ex.metadata['line']}": ex for src in (train, test) for ex in src})
     return tokenizer, train, test
   generated = dict(data_dir=cfg.data_dir or None, num_train=cfg.num_train, num_test=cfg.num_test, seed=cfg.seed)
   if cfg.task == "running_sum":
@@ -353,28 +377,33 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
       "each host's producer thread and trainer would launch collectives in their own order. Use "
       "rl.max_version_diff=0 across hosts, or one process with several devices."
     )
-  tokenizer, train_source, test_source = load_data(run.data, run.sampling.max_new_tokens)
+  tokenizer, train_source, test_source = load_data(run.data, run.sampling.max_new_tokens, run.job.init_from)
   run = run.with_tokenizer(tokenizer)
   topology = cluster.Topology.from_config(run.mesh)
   job.check_workdir(cfg, workdir)
+  job.write_json(os.path.join(workdir, "model.json"), dataclasses.asdict(run.model))  # export and evaluate read it
   _, rollout_key, eval_key = jax.random.split(jax.random.key(run.job.seed), 3)
   init_key = jax.random.split(jax.random.key(run.sft.seed_for(run.job.seed)), 3)[0]  # the warm start's
 
-  # The state: a checkpoint of this run, or SFT from a fresh init (checkpointed as step 0).
+  # The state: a checkpoint of this run, or the starting policy (a pretrained checkpoint or a fresh init, then
+  # SFT), checkpointed as step 0. A resumed run never reads init_from again.
   optimizer = trainer.make_optimizer(run.optim, run.job.steps)
-  state = trainer.init_state(run.model, optimizer, init_key, topology.trainer)
+  target = trainer.abstract_state(run.model, optimizer, topology.trainer)
   ckpt = checkpoint.Checkpointer(workdir, max_to_keep=run.job.keep_checkpoints)
   # The KL anchor is the policy RL starts from; a resumed run's own parameters have moved on.
   reference_path = os.path.join(workdir, "reference_params")
   d = run.grpo.max_version_diff  # > 0: rollouts from a producer ahead of the trainer (async_rl.py)
   versioned = lambda state, past: async_rl.VersionedState(state, past) if d else state
-  start, restored = ckpt.restore_latest(versioned(state, (state.params,) * d))
+  start, restored = ckpt.restore_latest(versioned(target, (target.params,) * d))
   state, past = (restored.state, restored.past_params) if d else (restored, ())
   if start is None:
     logging.info("Starting a new run in %s (mode %s).", workdir, run.mode.name)
-    params = sft_warm_start(
-      state.params, run, tokenizer, train_source, cache=job.sft_cache_path(cfg), mesh=topology.trainer
-    )
+    if run.job.init_from:
+      logging.info("Loading %s into the trainer's shardings.", run.job.init_from)
+      params = hf.load_sharded(run.job.init_from, topology.trainer)[1]
+    else:
+      params = trainer.init_state(run.model, optimizer, init_key, topology.trainer).params
+    params = sft_warm_start(params, run, tokenizer, train_source, cache=job.sft_cache_path(cfg), mesh=topology.trainer)
     state = trainer.fresh_state(params, optimizer, topology.trainer)
     if run.grpo.kl_coef > 0:  # before checkpoint 0, so that every resumable run has it
       checkpoint.save_tree(reference_path, state.params, force=True)
@@ -442,7 +471,13 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
           ckpt.save(step + 1, versioned(state, versions.past(step + 1)), force=True)
         if preempted.flag:
           break
+      finished = not preempted.flag
     ckpt.wait()
+    if finished:  # the final policy, for transformers / vLLM (a preempted run exports when it finishes)
+      try:
+        export.write_hf(os.path.join(workdir, "hf"), run, state.params, tokenizer)
+      except hf.HFCheckpointError as e:  # a model no Hugging Face architecture holds: the run stands
+        logging.warning("The final policy was not exported as a Hugging Face checkpoint: %s", e)
     summary = final_summary(workdir, run, state, tokenizer, test_source, eval_key, topology)
   finally:
     writer.close()

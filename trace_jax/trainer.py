@@ -75,6 +75,22 @@ def state_shardings(state: TrainState, optimizer, mesh) -> TrainState:
   return TrainState(sharding.replicated(mesh), params, opt_state)
 
 
+def abstract_state(config: ModelConfig, optimizer, mesh) -> TrainState:
+  """The TrainState's shapes, dtypes and shardings on the mesh (ShapeDtypeStructs): what a checkpoint
+  restores into, without allocating the state first."""
+
+  def init():
+    params = model.init_params(config, jax.random.key(0))
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+  shapes = jax.eval_shape(init)
+  return jax.tree_util.tree_map(
+    lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
+    shapes,
+    state_shardings(shapes, optimizer, mesh),
+  )
+
+
 def init_state(config: ModelConfig, optimizer, rng: jax.Array, mesh) -> TrainState:
   """A fresh TrainState created in place on the mesh (no host copy of the full parameters)."""
 

@@ -94,8 +94,7 @@ BatchT = TypeVar("BatchT", PromptBatch, SFTBatch)
 
 
 def _prompt_ids(ex: Example, tokenizer: Tokenizer) -> list[int]:
-  bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-  return bos + tokenizer.encode(ex.prompt)
+  return tokenizer.encode_prompt(ex.prompt)
 
 
 def _too_long(what: str, index: int, length: int, limit: int) -> ValueError:

@@ -1,0 +1,146 @@
+"""Pretrained inputs made here, offline: tiny random Hugging Face MoE checkpoints (transformers, bf16,
+one sharded), a small byte-level BPE with a Qwen-style chat template, and GSM8K- / MATH-style JSONL.
+
+  python tests/pretrained.py DIR    writes DIR/qwen3 (a checkpoint with its tokenizer) and DIR/math.jsonl,
+                                    for the CPU smoke run of configs/hf_math.py
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Qwen2.5 / Qwen3's template without tools: a system message if given, the turns, then the assistant's opening.
+CHAT_TEMPLATE = (
+  "{%- if messages[0]['role'] == 'system' %}"
+  "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+  "{%- endif %}"
+  "{%- for message in messages %}"
+  "{%- if message['role'] != 'system' %}"
+  "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+  "{%- endif %}"
+  "{%- endfor %}"
+  "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+GSM8K = [
+  {"question": "Natalia sold 48 clips in April and half as many in May. How many in all?", "answer": "48/2 = 24\n#### 72"},
+  {"question": "Weng earns $12 an hour. She worked 50 minutes. How much did she earn?", "answer": "12/60*50 = 10\n#### 10"},
+  {"question": "Betty has half of the $100 she needs. Her parents give $15. How much more?", "answer": "#### 35"},
+  {"question": "James writes 3 pages to 2 friends twice a week. Pages a year?", "answer": "3*2*2*52 = 624\n#### 624"},
+]
+MATH = [
+  {"problem": "What is $\\frac{1}{2} + \\frac{1}{4}$?", "solution": "It is $\\boxed{\\frac{3}{4}}$."},
+  {"problem": "Solve $2x = 8$.", "solution": "So $x = \\boxed{4}$."},
+  {"problem": "What is $\\sqrt{16}$?", "solution": "$\\boxed{4}$"},
+  {"problem": "Compute $3 \\cdot 7$.", "solution": "$3 \\cdot 7 = \\boxed{21}$"},
+]
+
+
+def corpus() -> list[str]:
+  rows = [r["question"] + " " + r["answer"] for r in GSM8K] + [r["problem"] + " " + r["solution"] for r in MATH]
+  return rows * 10 + ["The answer is \\boxed{42}. 0123456789 +-*/=()"] * 10
+
+
+def write_tokenizer(path: pathlib.Path, vocab_size: int = 320) -> pathlib.Path:
+  """tokenizer.json (a byte-level BPE trained on the math rows), tokenizer_config.json with the chat
+  template (EOS <|im_end|>, PAD <|endoftext|>, no BOS: as Qwen's) and generation_config.json."""
+  import tokenizers  # noqa: PLC0415
+
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  trainer = tokenizers.trainers.BpeTrainer(
+    vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()
+  )
+  tok.train_from_iterator(corpus(), trainer)
+  path.mkdir(parents=True, exist_ok=True)
+  tok.save(str(path / "tokenizer.json"))
+  config = {
+    "tokenizer_class": "Qwen2Tokenizer",
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|endoftext|>",
+    "bos_token": None,
+    "chat_template": CHAT_TEMPLATE,
+    "model_max_length": 4096,
+  }
+  (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+  ids = {name: tok.token_to_id(name) for name in SPECIAL}
+  generation = {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "pad_token_id": ids["<|endoftext|>"]}
+  (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
+  return path
+
+
+QWEN3_MOE = dict(
+  vocab_size=384,
+  hidden_size=32,
+  intermediate_size=32,
+  num_hidden_layers=2,
+  num_attention_heads=2,
+  num_key_value_heads=1,
+  head_dim=16,
+  num_experts=4,
+  num_experts_per_tok=2,
+  moe_intermediate_size=16,
+  norm_topk_prob=True,
+  rope_theta=10_000.0,
+  max_position_embeddings=512,
+)
+QWEN3_5_MOE = dict(
+  vocab_size=384,
+  hidden_size=32,
+  num_hidden_layers=2,
+  layer_types=["linear_attention", "full_attention"],
+  num_attention_heads=2,
+  num_key_value_heads=1,
+  head_dim=16,
+  linear_num_key_heads=2,
+  linear_num_value_heads=2,
+  linear_key_head_dim=16,
+  linear_value_head_dim=16,
+  num_experts=4,
+  num_experts_per_tok=2,
+  moe_intermediate_size=16,
+  shared_expert_intermediate_size=16,
+  max_position_embeddings=512,
+)
+
+
+def write_checkpoint(path: pathlib.Path, arch: str = "qwen3_moe", *, shard: str | None = None, seed: int = 0, **fields):
+  """A tiny random model saved by transformers in bf16 (shard: e.g. '20KB' for model-0000x-of-... shards),
+  weights N(0, 0.1) and norms near 1 so that logits are O(1) and routing decisive; with the tokenizer."""
+  import torch  # noqa: PLC0415
+  import transformers  # noqa: PLC0415
+
+  if arch == "qwen3_moe":
+    config = transformers.Qwen3MoeConfig(**{**QWEN3_MOE, **fields})
+    cls = transformers.Qwen3MoeForCausalLM
+  else:
+    config = transformers.Qwen3_5MoeTextConfig(**{**QWEN3_5_MOE, **fields})
+    cls = transformers.Qwen3_5MoeForCausalLM
+  torch.manual_seed(seed)
+  model = cls(config)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("A_log"):
+        continue
+      p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 and "norm" in name else 0.1 * torch.randn_like(p))
+  model = model.to(torch.bfloat16)
+  kwargs = {} if shard is None else {"max_shard_size": shard}
+  model.save_pretrained(path, **kwargs)
+  write_tokenizer(path)
+  return path
+
+
+def write_jsonl(path: pathlib.Path, rows) -> pathlib.Path:
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return path
+
+
+if __name__ == "__main__":
+  out = pathlib.Path(sys.argv[1])
+  write_checkpoint(out / "qwen3")
+  write_jsonl(out / "math.jsonl", GSM8K + MATH)
+  print(f"wrote {out / 'qwen3'} and {out / 'math.jsonl'}")
