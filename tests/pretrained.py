@@ -26,8 +26,14 @@ CHAT_TEMPLATE = (
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 GSM8K = [
-  {"question": "Natalia sold 48 clips in April and half as many in May. How many in all?", "answer": "48/2 = 24\n#### 72"},
-  {"question": "Weng earns $12 an hour. She worked 50 minutes. How much did she earn?", "answer": "12/60*50 = 10\n#### 10"},
+  {
+    "question": "Natalia sold 48 clips in April and half as many in May. How many in all?",
+    "answer": "48/2 = 24\n#### 72",
+  },
+  {
+    "question": "Weng earns $12 an hour. She worked 50 minutes. How much did she earn?",
+    "answer": "12/60*50 = 10\n#### 10",
+  },
   {"question": "Betty has half of the $100 she needs. Her parents give $15. How much more?", "answer": "#### 35"},
   {"question": "James writes 3 pages to 2 friends twice a week. Pages a year?", "answer": "3*2*2*52 = 624\n#### 624"},
 ]
