@@ -130,32 +130,48 @@ def sft_warm_start(params, run: RunConfig, tokenizer, source, *, cache: str = ""
   return state.params
 
 
-def evaluate(params, run: RunConfig, quant: QuantConfig | None, tokenizer, source, rng, topology=None) -> float:
-  """Greedy accuracy on the first `eval_prompts` test prompts with a BF16 (quant=None) or FP4 engine."""
-  topology = topology or cluster.Topology.single_device()
-  n = min(run.job.eval_prompts, len(source))
-  batcher = data.PromptBatcher(source, tokenizer, n, run.data.max_prompt_len, seed=0, shuffle=False)
-  b = batcher.batch_at(0)
-  greedy = dataclasses.replace(run.sampling, temperature=0.0)
+def engine_for(params, run: RunConfig, quant: QuantConfig | None, topology):
+  """(engine params on the rollout mesh, the engine's config) of trainer `params`: a BF16 engine
+  (quant=None) or an FP4 one, as evaluation uses them."""
   engine_config = rollout.RolloutConfig(quant=quant)
   layout = rollout.expert_layout(engine_config, run.model)
   engine_params, _ = cluster.make_weight_sync(quant, topology.trainer, topology.rollout, layout)(params)
-  host = (b.tokens, b.mask)
-  prompts, mask = sharding.host_to_global(host, sharding.batch_shardings(host, topology.rollout))
+  return engine_params, engine_config
+
+
+def respond(engine, run: RunConfig, prompts: data.PromptBatch, rng, topology, sampling=None, repeats: int = 1):
+  """Responses to a batch of prompts, `repeats` samples each (rows prompt-major): (response tokens
+  [B * repeats, R], whether each ended with EOS within rollout.max_new_tokens [B * repeats])."""
+  engine_params, engine_config = engine
+  host = (np.repeat(prompts.tokens, repeats, axis=0), np.repeat(prompts.mask, repeats, axis=0))
+  tokens, mask = sharding.host_to_global(host, sharding.batch_shardings(host, topology.rollout))
   res = cluster.make_generate(topology.rollout)(
     engine_params,
-    prompts,
+    tokens,
     mask,
     rng,
     None,
     model_config=run.model,
     rollout_config=engine_config,
-    sampling=greedy,
+    sampling=sampling or dataclasses.replace(run.sampling, temperature=0.0),
     expert_parallel=topology.rollout_expert_parallel,
   )
-  responses = sharding.to_host(res.tokens)[:, b.tokens.shape[1] :]
-  correct = dataclasses.replace(run.reward, correct_reward=1.0, format_reward=0.0, partial_credit=False)
-  return float(np.mean(data.batch_rewards(b.answers, responses, tokenizer, correct)))
+  responses = sharding.to_host(res.tokens)[:, prompts.tokens.shape[1] :]
+  return responses, (responses == run.sampling.eos_id).any(axis=1)
+
+
+def correct_only(run: RunConfig):
+  """The run's verifier scoring 1 for a correct answer and nothing else: what accuracy counts."""
+  return dataclasses.replace(run.reward, correct_reward=1.0, format_reward=0.0, partial_credit=False)
+
+
+def evaluate(params, run: RunConfig, quant: QuantConfig | None, tokenizer, source, rng, topology=None) -> float:
+  """Greedy accuracy on the first `eval_prompts` test prompts with a BF16 (quant=None) or FP4 engine."""
+  topology = topology or cluster.Topology.single_device()
+  n = min(run.job.eval_prompts, len(source))
+  b = data.PromptBatcher(source, tokenizer, n, run.data.max_prompt_len, seed=0, shuffle=False).batch_at(0)
+  responses, _ = respond(engine_for(params, run, quant, topology), run, b, rng, topology)
+  return float(np.mean(data.batch_rewards(b.answers, responses, tokenizer, correct_only(run))))
 
 
 @dataclasses.dataclass(frozen=True)
