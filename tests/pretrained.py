@@ -11,6 +11,7 @@ import pathlib
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
 
 # Qwen2.5 / Qwen3's template without tools: a system message if given, the turns, then the assistant's opening.
 CHAT_TEMPLATE = (
@@ -145,7 +146,62 @@ def write_jsonl(path: pathlib.Path, rows) -> pathlib.Path:
   return path
 
 
+def batch(vocab: int = 320, rows: int = 2, length: int = 12, pad: int = 4):
+  """Token ids and a mask with one left-padded row: what the parity checks feed both models."""
+  import numpy as np  # noqa: PLC0415
+
+  tokens = np.random.default_rng(0).integers(0, vocab, (rows, length))
+  mask = np.ones((rows, length), np.int32)
+  mask[1, :pad] = 0
+  return tokens, mask
+
+
+def logits_worker(ckpt: str, out: str, devices: int, num_processes: int, process_id: int, port: int, mesh: str):
+  """Load `ckpt` with hf.load_sharded onto a mesh of `devices` CPU devices per process ('fsdp=2,expert=4'),
+  and write the logits of `batch()` (fp32) to OUT.npy, and what this process read to OUT.json: the
+  experts it read and the peak of numpy's host allocations during the load (tracemalloc)."""
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+  import tracemalloc  # noqa: PLC0415
+
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  from trace_jax import hf, model, qat, sharding  # noqa: PLC0415
+
+  if num_processes > 1:
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, process_id)
+  shape = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+  shape.update({k: int(v) for k, v in (part.split("=") for part in mesh.split(",") if part)})
+  m = sharding.make_mesh(shape)
+  read = []
+  load = hf.load_pretrained
+
+  def spy(*args, **kwargs):
+    read.append(str(kwargs.get("experts")))
+    return load(*args, **kwargs)
+
+  hf.load_pretrained = spy
+  tracemalloc.start()
+  config, params = hf.load_sharded(ckpt, m)
+  peak = tracemalloc.get_traced_memory()[1]
+  tracemalloc.stop()
+  tokens, mask = batch(config.vocab_size)
+  ctx = qat.QatContext(compute_dtype=jnp.float32)
+  logits = jax.jit(lambda p, t, k: model.forward(p, t, k, config, ctx=ctx)[0])(
+    params, jnp.asarray(tokens), jnp.asarray(mask)
+  )
+  logits = sharding.to_host(logits)
+  if process_id == 0:
+    np.save(out + ".npy", logits)
+  with open(f"{out}.{process_id}.json", "w") as f:
+    json.dump({"experts": read, "peak_host_bytes": peak}, f)
+
+
 if __name__ == "__main__":
+  if sys.argv[1] == "logits":
+    logits_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:8]), sys.argv[8])
+    sys.exit(0)
   out = pathlib.Path(sys.argv[1])
   write_checkpoint(out / "qwen3")
   write_jsonl(out / "math.jsonl", GSM8K + MATH)
