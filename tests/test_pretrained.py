@@ -133,14 +133,14 @@ def _free_port():
 
 
 def test_one_and_eight_devices_and_two_processes_load_the_same_logits(inputs, tmp_path):
-  """8 devices (fsdp 2 x expert 4) in one process, and 2 processes x 4 devices (expert 8, gloo): the same
+  """8 devices (fsdp 2 x expert 4) in one process, and 2 processes x 4 devices (expert 2 x tensor 4, gloo): the same
   logits as 1 device; each of the 2 processes reads only the 2 of 4 experts it holds."""
   script = os.path.join(os.path.dirname(__file__), "pretrained.py")
   ckpt, out, port = str(inputs["qwen3"]), str(tmp_path / "logits"), str(_free_port())
   runs = {
     "one": [[ckpt, out + "1", "1", "1", "0", "0", ""]],
     "eight": [[ckpt, out + "8", "8", "1", "0", "0", "fsdp=2,expert=4"]],
-    "two": [[ckpt, out + "2", "4", "2", str(i), port, "expert=8"] for i in range(2)],
+    "two": [[ckpt, out + "2", "4", "2", str(i), port, "expert=2,tensor=4"] for i in range(2)],
   }
   procs = [
     subprocess.Popen([sys.executable, script, "logits", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -254,7 +254,7 @@ def test_steps_0_exports_the_checkpoint_bit_exact(inputs, tmp_path):
 
 def test_bad_checkpoints_are_named(inputs, tmp_path):
   with pytest.raises(ConfigError, match="no such directory"):
-    RunConfig.from_config(smoke(tmp_path / "missing", inputs["math"]))
+    hf.with_pretrained_model(smoke(tmp_path / "missing", inputs["math"]))
   broken = tmp_path / "broken"
   shutil.copytree(inputs["qwen3"], broken)
   shard = sorted(broken.glob("model-*.safetensors"))[1]
@@ -267,17 +267,19 @@ def test_bad_checkpoints_are_named(inputs, tmp_path):
   config = json.loads((unknown / "config.json").read_text())
   (unknown / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
   with pytest.raises(ConfigError, match="LlamaForCausalLM.*not supported"):
-    RunConfig.from_config(smoke(unknown, inputs["math"]))
+    hf.with_pretrained_model(smoke(unknown, inputs["math"]))
 
 
 def test_model_overrides_must_agree_with_the_checkpoint(inputs):
   cfg = smoke(inputs["qwen3"], inputs["math"])
   cfg.model.num_layers = 3
   with pytest.raises(ConfigError, match=r"config.model.num_layers: is 3, but init_from=.* says 2"):
+    hf.with_pretrained_model(cfg)
+  with pytest.raises(ConfigError, match="config.model: comes from init_from"):
     RunConfig.from_config(cfg)
   cfg.model.num_layers = 2  # restating it is fine; our own knobs are ours to set
   cfg.model.linear_chunk_size = 16
-  run = RunConfig.from_config(cfg)
+  run = RunConfig.from_config(hf.with_pretrained_model(cfg))
   assert run.model.num_layers == 2 and run.model.linear_chunk_size == 16 and run.sft.steps == 0
 
 

@@ -789,10 +789,6 @@ def model_config(config_section) -> ModelConfig:
   return section(ModelConfig, config_section, "model")
 
 
-# ModelConfig fields that are ours, not the checkpoint's (how the trainer computes, not what the model is).
-OWN_MODEL_FIELDS = ("linear_chunk_size",)
-
-
 def unset_model_section() -> ml_collections.ConfigDict:
   """A `model` section of placeholders (None, typed) for runs whose model comes from init_from: a
   --config.model.FIELD override then parses, and must agree with the checkpoint's config.json."""
@@ -802,36 +798,6 @@ def unset_model_section() -> ml_collections.ConfigDict:
     kind = types.get(str(f.type), tuple)
     fields[f.name] = ml_collections.FieldReference(None, field_type=kind)
   return ml_collections.ConfigDict(fields)
-
-
-def pretrained_model(init_from: str, config_section=None) -> ModelConfig:
-  """The ModelConfig of the Hugging Face checkpoint at `init_from` (its config.json).
-
-  config_section: the run's `model` section; a field set there (not None) must agree with the
-  checkpoint: a preset or --config.model.* override that contradicts it is an error naming the field
-  (the fields of OWN_MODEL_FIELDS are taken from it).
-  """
-  from trace_jax import hf  # noqa: PLC0415 (config stays importable without jax)
-
-  model = hf.read_config(init_from)
-  own = {k: config_section[k] for k in OWN_MODEL_FIELDS if config_section and config_section.get(k) is not None}
-  model = dataclasses.replace(model, **own)
-  given = {} if config_section is None else dict(getattr(config_section, "to_dict", lambda: config_section)())
-  unknown = sorted(set(given) - {f.name for f in dataclasses.fields(ModelConfig)})
-  if unknown:
-    _fail(f"model.{unknown[0]}", "unknown field of ModelConfig.")
-  for name, value in sorted(given.items()):
-    if value is None:
-      continue
-    ours = getattr(model, name)
-    value = tuple(value) if isinstance(value, list) else value
-    if value != ours:
-      _fail(
-        f"model.{name}",
-        f"is {value!r}, but init_from={init_from} says {ours!r} (its config.json): the model section comes from "
-        "the checkpoint. Drop the preset or the override (configs/hf_math.py leaves the model section unset).",
-      )
-  return model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -872,7 +838,13 @@ class RunConfig:
     """tokenizer: supplies EOS / PAD and the vocabulary the model must cover (None: the defaults)."""
     top = {k: v for k, v in cfg.items() if k not in SECTIONS and k != "model"}
     job = section(JobConfig, top, "config")
-    model = pretrained_model(job.init_from, cfg.get("model")) if job.init_from else model_config(cfg.model)
+    if job.init_from and any(v is None for v in cfg.get("model", {None: None}).values()):
+      _fail(
+        "model",
+        f"comes from init_from={job.init_from}: fill it from the checkpoint's config.json first with "
+        "hf.with_pretrained_model(cfg) (trace_jax.main, export and evaluate do).",
+      )
+    model = model_config(cfg.model)
     sft = section(SFTConfig, cfg.get("sft", {}), "sft")
     if sft.steps < 0:
       sft = dataclasses.replace(sft, steps=0 if job.init_from else DEFAULT_SFT_STEPS)

@@ -129,7 +129,7 @@ def _run_and_params(workdir: str, hf_dir: str, step: int | None, data_file: str)
   else:
     from configs import hf_math  # noqa: PLC0415
 
-    run = RunConfig.from_config(hf_math.get_config(f"bf16,init_from={hf_dir}"))
+    run = RunConfig.from_config(hf.with_pretrained_model(hf_math.get_config(f"bf16,init_from={hf_dir}")))
   if data_file:
     run = dataclasses.replace(run, data=dataclasses.replace(run.data, jsonl_train=data_file, jsonl_test=""))
   tokenizer, train_source, test_source = train.load_data(run.data, run.sampling.max_new_tokens, run.job.init_from)

@@ -22,6 +22,7 @@ Loaded parameters are host numpy arrays; place them with `jax.device_put(params,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import pathlib
 from collections.abc import Mapping
@@ -551,6 +552,42 @@ def read_config(path: str | pathlib.Path) -> ModelConfig:
   hf = _hf_config(pathlib.Path(path))
   architecture_of(hf)
   return config_from_hf(hf)
+
+
+# ModelConfig fields that are ours, not the checkpoint's (how the trainer computes, not what the model is).
+OWN_MODEL_FIELDS = ("linear_chunk_size",)
+
+
+def with_pretrained_model(cfg):
+  """A copy of a run's ConfigDict whose `model` section is its init_from checkpoint's (config.json).
+
+  A field the section sets (not None: a preset, or a --config.model.* override) must agree with the
+  checkpoint; one that contradicts it is a ConfigError naming the field. The fields of
+  OWN_MODEL_FIELDS are taken from the section. Without init_from, `cfg` is returned as it is.
+  """
+  import ml_collections  # noqa: PLC0415
+
+  init_from = cfg.get("init_from", "")
+  if not init_from:
+    return cfg
+  model = read_config(init_from)
+  given = cfg.model.to_dict() if cfg.get("model") is not None else {}
+  unknown = sorted(set(given) - {f.name for f in dataclasses.fields(ModelConfig)})
+  if unknown:
+    raise ConfigError(f"config.model.{unknown[0]}: unknown field of ModelConfig.")
+  own = {k: given[k] for k in OWN_MODEL_FIELDS if given.get(k) is not None}
+  model = dataclasses.replace(model, **own)
+  for name, value in sorted(given.items()):
+    value = tuple(value) if isinstance(value, list) else value
+    if value is not None and value != getattr(model, name):
+      raise ConfigError(
+        f"config.model.{name}: is {value!r}, but init_from={init_from} says {getattr(model, name)!r} (its "
+        "config.json): the model section comes from the checkpoint. Drop the preset or the override "
+        "(configs/hf_math.py leaves the model section unset)."
+      )
+  out = ml_collections.ConfigDict(cfg.to_dict())
+  out.model = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(model).items()}
+  return out
 
 
 def load_pretrained(

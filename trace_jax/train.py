@@ -385,7 +385,7 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
   Devices come from `cfg.mesh` (trainer and rollout meshes, MoE dispatch) and, for several
   hosts, `cfg.distributed` or the JAX_* environment (sharding.initialize_distributed).
   """
-  run = RunConfig.from_config(cfg)
+  run = RunConfig.from_config(hf.with_pretrained_model(cfg))  # the model section from init_from's config.json
   sharding.initialize_distributed(**dataclasses.asdict(run.distributed))
   if run.grpo.max_version_diff and jax.process_count() > 1:
     raise ConfigError(
