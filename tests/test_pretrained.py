@@ -24,7 +24,7 @@ from safetensors.numpy import load_file
 from configs import hf_math
 from tests import pretrained
 from trace_jax import data, evaluate, export, hf, model, qat, train
-from trace_jax.config import ConfigError, RunConfig
+from trace_jax.config import ConfigError, RunConfig, never_generated_ids
 
 PARITY_ATOL = 1e-4
 
@@ -184,6 +184,10 @@ def test_first_step_logprobs_match_transformers(inputs, first_run):
   batch, logp = first_run["first"]
   inputs_, targets, mask = np.asarray(batch.inputs), np.asarray(batch.targets), np.asarray(batch.mask)
   logits = hf_logits(hf_model(inputs["qwen3"]), inputs_, mask.astype(np.int64))
+  # the policy is over what can be sampled: the tokenizer's ids (384 embedding rows, 320 ids) less PAD
+  tok = data.load_tokenizer(inputs["qwen3"])
+  logits[..., tok.vocab_size :] = -np.inf
+  logits[..., list(never_generated_ids(tok))] = -np.inf
   theirs = torch.log_softmax(torch.tensor(logits), -1).gather(-1, torch.tensor(targets)[..., None])[..., 0].numpy()
   response = np.asarray(batch.loss_mask).astype(bool)
   diff = np.abs(logp - theirs)[response].max()

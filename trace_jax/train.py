@@ -65,9 +65,9 @@ def load_data(cfg: DataConfig, max_new_tokens: int | None = None, pretrained: st
   chat = dict(chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)
   tokenizer = data.load_tokenizer(spec, task=cfg.task, **(chat if spec and os.path.isdir(spec) else {}))
 
-  def check(examples):
+  def check(examples, answers: bool = True):
     if max_new_tokens is not None:
-      data.check_lengths(examples, tokenizer, cfg.max_prompt_len, max_new_tokens)
+      data.check_lengths(examples, tokenizer, cfg.max_prompt_len, max_new_tokens if answers else None)
 
   if cfg.task in ("code_synthesis", "code_jsonl"):
     train, test = data.code_sources(cfg)
@@ -77,7 +77,8 @@ def load_data(cfg: DataConfig, max_new_tokens: int | None = None, pretrained: st
     fields = dict(prompt_field=cfg.prompt_field, answer_field=cfg.answer_field, skip_bad_rows=cfg.skip_bad_rows)
     train = data.MathSource(cfg.jsonl_train, **fields)
     test = data.MathSource(cfg.jsonl_test, **fields) if cfg.jsonl_test else train
-    check({f"{src.path}:{ex.metadata['line']}": ex for src in (train, test) for ex in src})
+    # from a pretrained policy (no SFT by default) the reference solutions need not fit a response
+    check({f"{src.path}:{ex.metadata['line']}": ex for src in (train, test) for ex in src}, answers=not pretrained)
     return tokenizer, train, test
   generated = dict(data_dir=cfg.data_dir or None, num_train=cfg.num_train, num_test=cfg.num_test, seed=cfg.seed)
   if cfg.task == "running_sum":
