@@ -28,26 +28,9 @@ import ml_collections
 
 from trace_jax import config as config_lib
 
-MODES = ("bf16", "fp4", "qat", "qat_w4a16", "trace", "trace_full")
-
-
-def parse_arg(arg: str) -> dict[str, str]:
-  """'trace,init_from=/models/x' -> {'mode': 'trace', 'init_from': '/models/x'} (a bare word is the mode)."""
-  out = {}
-  for part in filter(None, (p.strip() for p in (arg or "").split(","))):
-    key, sep, value = part.partition("=")
-    key, value = ("mode", key) if not sep else (key.strip(), value.strip())
-    if key not in ("mode", "init_from") or key in out:
-      raise ValueError(
-        f"configs/hf_math.py: cannot read {part!r} in {arg!r}; expected 'MODE', 'init_from=DIR' or both, "
-        "e.g. 'trace,init_from=/models/Qwen3-30B-A3B'."
-      )
-    out[key] = value
-  return out
-
 
 def get_config(arg: str = "trace") -> ml_collections.ConfigDict:
-  args = parse_arg(arg)
+  args = config_lib.parse_config_arg(arg, ("init_from",), "configs/hf_math.py", "trace,init_from=/models/Qwen3-30B-A3B")
   c = config_lib.defaults()
   c.mode = args.get("mode", "trace")
   c.init_from = args.get("init_from", "")

@@ -80,53 +80,36 @@ def write_tokenizer(path: pathlib.Path, vocab_size: int = 320) -> pathlib.Path:
   return path
 
 
-QWEN3_MOE = dict(
-  vocab_size=384,
-  hidden_size=32,
-  intermediate_size=32,
-  num_hidden_layers=2,
-  num_attention_heads=2,
-  num_key_value_heads=1,
-  head_dim=16,
-  num_experts=4,
-  num_experts_per_tok=2,
-  moe_intermediate_size=16,
-  norm_topk_prob=True,
-  rope_theta=10_000.0,
-  max_position_embeddings=512,
-)
-QWEN3_5_MOE = dict(
-  vocab_size=384,
-  hidden_size=32,
-  num_hidden_layers=2,
-  layer_types=["linear_attention", "full_attention"],
-  num_attention_heads=2,
-  num_key_value_heads=1,
-  head_dim=16,
-  linear_num_key_heads=2,
-  linear_num_value_heads=2,
-  linear_key_head_dim=16,
-  linear_value_head_dim=16,
-  num_experts=4,
-  num_experts_per_tok=2,
-  moe_intermediate_size=16,
-  shared_expert_intermediate_size=16,
-  max_position_embeddings=512,
-)
+# The checkpoints' models: configs/default.py's smallest (SMOKE) and the tiny hybrid, over a 384-row embedding
+# (the tokenizer has 320 ids: the rows past it stay unsampled), as config.json describes them.
+VOCAB = 384
+
+
+def hf_config(arch: str, **fields) -> dict:
+  """config.json's fields of the preset for `arch` ('qwen3_moe' or 'qwen3_5_moe') with ModelConfig `fields`."""
+  from configs import default, models  # noqa: PLC0415
+  from trace_jax import config, hf  # noqa: PLC0415
+
+  if arch == "qwen3_moe":
+    smoke = {k.removeprefix("model."): v for k, v in default.SMOKE.items() if k.startswith("model.")}
+    base = {**models.tiny().to_dict(), **smoke}
+  else:
+    base = {**models.tiny_hybrid().to_dict(), "num_layers": 2, "full_attention_interval": 2}
+  return hf.config_to_hf(config.model_config({**base, "vocab_size": VOCAB, **fields}), dtype="bfloat16")
 
 
 def write_checkpoint(path: pathlib.Path, arch: str = "qwen3_moe", *, shard: str | None = None, seed: int = 0, **fields):
-  """A tiny random model saved by transformers in bf16 (shard: e.g. '20KB' for model-0000x-of-... shards),
+  """A tiny random model saved by transformers in bf16 (shard: e.g. '20KB' for model-0000x-of-... shards;
+  fields: ModelConfig fields, e.g. num_layers),
   weights N(0, 0.1) and norms near 1 so that logits are O(1) and routing decisive; with the tokenizer."""
   import torch  # noqa: PLC0415
   import transformers  # noqa: PLC0415
 
+  fields = hf_config(arch, **fields)
   if arch == "qwen3_moe":
-    config = transformers.Qwen3MoeConfig(**{**QWEN3_MOE, **fields})
-    cls = transformers.Qwen3MoeForCausalLM
+    config, cls = transformers.Qwen3MoeConfig(**fields), transformers.Qwen3MoeForCausalLM
   else:
-    config = transformers.Qwen3_5MoeTextConfig(**{**QWEN3_5_MOE, **fields})
-    cls = transformers.Qwen3_5MoeForCausalLM
+    config, cls = transformers.Qwen3_5MoeTextConfig(**fields), transformers.Qwen3_5MoeForCausalLM
   torch.manual_seed(seed)
   model = cls(config)
   with torch.no_grad():

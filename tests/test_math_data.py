@@ -100,18 +100,19 @@ def test_parquet(tmp_path):
   assert [ex.answer for ex in src] == ["\\frac{3}{4}", "4", "4", "21"] and src[3].metadata["line"] == 4
 
 
-@pytest.mark.parametrize(
-  "line, message",
-  [
-    ('{"question": "x?", "answer": "#### 3"', "invalid JSON"),
-    ("[1, 2]", "expected an object, got list"),
-    ('{"question": "x?"}', "missing the answer field 'answer' / 'solution' \\(fields: \\['question'\\]\\)"),
-    ('{"answer": "#### 3"}', "missing the prompt field"),
-    ('{"question": "", "answer": "#### 3"}', "'question' must be a non-empty string"),
-    ('{"problem": "x?", "solution": "no box, no number"}', "'solution' states no answer"),
-  ],
-)
-def test_bad_rows_name_file_and_line(tmp_path, line, message):
+# what the error says -> the bad line
+BAD_ROWS = {
+  "invalid JSON": '{"question": "x?", "answer": "#### 3"',
+  "expected an object, got list": "[1, 2]",
+  "missing the answer field 'answer' / 'solution' \\(fields: \\['question'\\]\\)": '{"question": "x?"}',
+  "missing the prompt field": '{"answer": "#### 3"}',
+  "'question' must be a non-empty string": '{"question": "", "answer": "#### 3"}',
+  "'solution' states no answer": '{"problem": "x?", "solution": "no box, no number"}',
+}
+
+
+@pytest.mark.parametrize("message, line", BAD_ROWS.items())
+def test_bad_rows_name_file_and_line(tmp_path, message, line):
   path = tmp_path / "bad.jsonl"
   good = json.dumps(pretrained.GSM8K[0])
   path.write_text(f"{good}\n\n{line}\n{good}\n")

@@ -40,6 +40,14 @@ def _fail(field: str, message: str):
   raise ConfigError(f"config.{field}: {message}")
 
 
+def _at_least(obj, section: str, **bounds: tuple[int, str]):
+  """Each field NAME=(least, what 0 means or '') of `obj` must be >= least, else a ConfigError naming it."""
+  for name, (least, note) in bounds.items():
+    value = getattr(obj, name)
+    if value < least:
+      _fail(f"{section}{name}", f"must be >= {least}{f' ({note})' if note else ''}, got {value}.")
+
+
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
 
@@ -341,12 +349,7 @@ class SamplingConfig:
       )
     if self.vocab_size and len({i for i in self.banned_ids if i < self.vocab_size}) >= self.vocab_size:
       _fail("sampling.banned_ids", f"{self.banned_ids} bans every id of the vocabulary [0, {self.vocab_size}).")
-    if self.max_new_tokens < 1:
-      _fail("rollout.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}.")
-    if self.temperature < 0:
-      _fail("rollout.temperature", f"must be >= 0 (0 = greedy), got {self.temperature}.")
-    if self.top_k < 0:
-      _fail("rollout.top_k", f"must be >= 0 (0 = off), got {self.top_k}.")
+    _at_least(self, "rollout.", max_new_tokens=(1, ""), temperature=(0, "0 = greedy"), top_k=(0, "0 = off"))
     if not 0 < self.top_p <= 1:
       _fail("rollout.top_p", f"must lie in (0, 1], got {self.top_p}.")
 
@@ -429,14 +432,8 @@ class GRPOConfig:
       )
     if self.clip_eps <= 0:
       _fail("rl.clip_eps", f"must be > 0, got {self.clip_eps}.")
-    if self.tis_cap < 0:
-      _fail("rl.tis_cap", f"must be >= 0 (0 = TIS off), got {self.tis_cap}.")
-    if self.ppo_epochs < 1:
-      _fail("rl.ppo_epochs", f"must be >= 1, got {self.ppo_epochs}.")
-    if self.minibatches < 1:
-      _fail("rl.minibatches", f"must be >= 1, got {self.minibatches}.")
-    if self.max_version_diff < 0:
-      _fail("rl.max_version_diff", f"must be >= 0 (0 = synchronous), got {self.max_version_diff}.")
+    _at_least(self, "rl.", tis_cap=(0, "0 = TIS off"), max_version_diff=(0, "0 = synchronous"))
+    _at_least(self, "rl.", ppo_epochs=(1, ""), minibatches=(1, ""))
     if self.staleness not in STALENESS_MODES:
       _fail("rl.staleness", f"unknown {self.staleness!r}; expected one of {STALENESS_MODES}.")
     if self.guidance_max_staleness < -1:
@@ -613,9 +610,7 @@ class DataConfig:
       _fail("data.sum_terms", f"must lie in [2, 256], got {self.sum_terms}.")
     if not 1 <= self.term_digits <= 6:
       _fail("data.term_digits", f"must lie in [1, 6], got {self.term_digits}.")
-    for name in ("num_train", "num_test", "max_prompt_len"):
-      if getattr(self, name) < 1:
-        _fail(f"data.{name}", f"must be >= 1, got {getattr(self, name)}.")
+    _at_least(self, "data.", num_train=(1, ""), num_test=(1, ""), max_prompt_len=(1, ""))
     if self.task in ("code_jsonl", "math") and not self.jsonl_train:
       _fail("data.jsonl_train", f"task {self.task!r} reads its problems from a file; set data.jsonl_train.")
     if self.task in ("running_sum", "code_synthesis") and (self.jsonl_train or self.jsonl_test):
@@ -718,11 +713,8 @@ class JobConfig:
 
   def __post_init__(self):
     _check_mode(self.mode)
-    if self.steps < 0:
-      _fail("steps", f"must be >= 0 (0: export the starting policy), got {self.steps}.")
-    for name in ("batch_prompts", "checkpoint_every", "eval_prompts"):
-      if getattr(self, name) < 1:
-        _fail(name, f"must be >= 1, got {getattr(self, name)}.")
+    _at_least(self, "", steps=(0, "0: export the starting policy"))
+    _at_least(self, "", batch_prompts=(1, ""), checkpoint_every=(1, ""), eval_prompts=(1, ""))
     if self.trainer_dtype not in ("bfloat16", "float32"):
       _fail("trainer_dtype", f"unknown {self.trainer_dtype!r}; expected 'bfloat16' or 'float32'.")
 
@@ -741,6 +733,22 @@ SECTIONS = {
   "distributed": DistributedConfig,
 }
 _TOKENIZER_FIELDS = ("eos_id", "pad_id", "vocab_size", "banned_ids")  # SamplingConfig fields from the tokenizer
+
+
+def parse_config_arg(arg: str, keys: tuple[str, ...], where: str, example: str) -> dict[str, str]:
+  """A get_config() argument 'WORD,key=value,...' -> {'mode': WORD, key: value} (a bare word is the mode).
+
+  keys: the keys besides 'mode' that the config file reads; where / example: for the error message.
+  """
+  out = {}
+  for part in filter(None, (p.strip() for p in (arg or "").split(","))):
+    key, sep, value = part.partition("=")
+    key, value = ("mode", key) if not sep else (key.strip(), value.strip())
+    if key not in ("mode", *keys) or key in out:
+      expected = " or ".join(["'MODE'", *(f"'{k}=...'" for k in keys)])
+      raise ValueError(f"{where}: cannot read {part!r} in {arg!r}; expected {expected} or both, e.g. {example!r}.")
+    out[key] = value
+  return out
 
 
 def to_config_dict(obj) -> ml_collections.ConfigDict:

@@ -154,19 +154,9 @@ def main(argv):
       os.path.join(f.workdir, "eval", f"step_{step}") if f.workdir else os.path.join("eval", os.path.basename(f.hf))
     )
     os.makedirs(out, exist_ok=True)
-    figures = evaluate_policy(
-      params,
-      run,
-      tokenizer,
-      source,
-      engine=f.engine,
-      k=f.k,
-      temperature=f.temperature,
-      batch_prompts=f.batch_prompts,
-      seed=f.seed,
-      topology=topology,
-      samples_path=os.path.join(out, "samples.jsonl"),
-    )
+    options = {name: getattr(f, name) for name in ("engine", "k", "temperature", "batch_prompts", "seed")}
+    samples = os.path.join(out, "samples.jsonl")
+    figures = evaluate_policy(params, run, tokenizer, source, topology=topology, samples_path=samples, **options)
   except (ConfigError, checkpoint.CheckpointError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 
 from trace_jax.data.rewards import answer_number
-from trace_jax.data.tasks import Example
+from trace_jax.data.tasks import Example, ExampleList
 
 
 class JsonlFormatError(ValueError):
@@ -32,7 +32,7 @@ def jsonl_records(path: str, error=JsonlFormatError) -> Iterator[tuple[int, obje
         yield line_number, error(f"{path}:{line_number}: invalid JSON ({e.msg} at column {e.colno})")
 
 
-class JsonlSource:
+class JsonlSource(ExampleList):
   """Random-access examples from a JSONL file (the interface of a tfds data source: len and [i]).
 
   require_numeric_answer: reject answers with no number in them, which the numeric verifier
@@ -72,12 +72,3 @@ class JsonlSource:
       raise JsonlFormatError(f"{where}: 'difficulty' must be an integer, got {difficulty!r}")
     metadata = {"line": line_number, **record}
     return Example(prompt=prompt, answer=answer, target=target, difficulty=difficulty, metadata=metadata)
-
-  def __len__(self) -> int:
-    return len(self.examples)
-
-  def __getitem__(self, index: int) -> Example:
-    return self.examples[index]
-
-  def __iter__(self) -> Iterator[Example]:
-    return iter(self.examples)

@@ -17,7 +17,7 @@ from absl import logging
 
 from trace_jax.data.jsonl import JsonlFormatError, jsonl_records
 from trace_jax.data.rewards import math_final_answer
-from trace_jax.data.tasks import Example
+from trace_jax.data.tasks import Example, ExampleList
 
 PROMPT_FIELDS = ("question", "problem", "prompt")
 ANSWER_FIELDS = ("answer", "solution")  # in this order: MATH's `answer` column beats its `solution`
@@ -33,7 +33,7 @@ def _parquet_records(path: str) -> Iterator[tuple[int, object]]:
   yield from enumerate(pq.read_table(path).to_pylist(), start=1)
 
 
-class MathSource:
+class MathSource(ExampleList):
   """Random-access math problems (len and [i], as the other sources) from a .jsonl or .parquet file."""
 
   def __init__(
@@ -94,12 +94,3 @@ class MathSource:
         f"{where}: {answer_key!r} states no answer (no \\boxed{{}}, '#### N' or number): {answer!r}"
       )
     return Example(prompt=prompt, answer=reference, target=solution, metadata={"line": line, **row})
-
-  def __len__(self) -> int:
-    return len(self.examples)
-
-  def __getitem__(self, index: int) -> Example:
-    return self.examples[index]
-
-  def __iter__(self) -> Iterator[Example]:
-    return iter(self.examples)

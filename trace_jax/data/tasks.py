@@ -56,6 +56,21 @@ class DataSource(Protocol):
   def __getitem__(self, index: int) -> Example | Mapping[str, Any]: ...
 
 
+class ExampleList:
+  """A file's examples, read eagerly into `self.examples`: len, [i] and iteration (JSONL, math problems)."""
+
+  examples: list[Example]
+
+  def __len__(self) -> int:
+    return len(self.examples)
+
+  def __getitem__(self, index: int) -> Example:
+    return self.examples[index]
+
+  def __iter__(self):
+    return iter(self.examples)
+
+
 def _plain(value: Any) -> Any:
   """bytes -> str and numpy scalars -> Python, as tfds data sources return them."""
   if isinstance(value, bytes):
