@@ -16,12 +16,12 @@ DAPO's; the paper's own lengths are not in our sources), lr 1e-6 with a short wa
 G=16 samples a step, token-level TIS capped at 5 (the paper's cap), routing replay (R3), and a mesh
 over every device (one host of 8 GPUs): FSDP for the trainer, the experts split for the rollout.
 
-A CPU smoke run of the same path (a tiny checkpoint: tests/pretrained.py writes one):
+A CPU smoke run of the same path (`python tests/pretrained.py /tmp/pt` writes a tiny checkpoint and problems):
 
-  python -m trace_jax.main --config=configs/hf_math.py:trace,init_from=DIR --workdir=/tmp/hf_smoke \
-    --config.data.jsonl_train=math.jsonl --config.steps=2 --config.batch_prompts=2 --config.rl.num_generations=2 \
-    --config.rollout.max_new_tokens=16 --config.data.max_prompt_len=64 \
-    --config.eval_prompts=4
+  python -m trace_jax.main --config=configs/hf_math.py:trace,init_from=/tmp/pt/qwen3 --workdir=/tmp/hf_smoke \
+    --config.data.jsonl_train=/tmp/pt/math.jsonl --config.steps=2 --config.batch_prompts=2 \
+    --config.rl.num_generations=2 --config.rl.minibatches=1 --config.rollout.max_new_tokens=16 \
+    --config.data.max_prompt_len=64 --config.eval_prompts=4
 """
 
 import ml_collections

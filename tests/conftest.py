@@ -59,6 +59,7 @@ _LONGEST_FIRST = (
   "test_long_tasks.py",
   "test_benchmarks.py",
   "test_qwen3_5.py",
+  "test_pretrained.py",
   "test_async_rl.py",
   "test_model.py",
 )
