@@ -37,17 +37,7 @@ SMOKE = {
 
 def parse_arg(arg: str) -> dict[str, str]:
   """'trace,model=tiny' -> {'mode': 'trace', 'model': 'tiny'} (a bare word is the mode)."""
-  out = {}
-  for part in filter(None, (p.strip() for p in (arg or "").split(","))):
-    key, sep, value = part.partition("=")
-    key, value = ("mode", key) if not sep else (key.strip(), value.strip())
-    if key not in ("mode", "model") or key in out:
-      raise ValueError(
-        f"configs/default.py: cannot read {part!r} in {arg!r}; expected 'MODE', 'model=PRESET' or both, "
-        "e.g. 'trace,model=tiny'."
-      )
-    out[key] = value
-  return out
+  return config_lib.parse_config_arg(arg, ("model",), "configs/default.py", "trace,model=tiny")
 
 
 def get_config(arg: str = "trace") -> ml_collections.ConfigDict:

@@ -443,20 +443,8 @@ def fp4_matmul(
     raise ValueError(f"fp4_matmul: x must be [M, K={w.shape[1]}] for weight {list(w.shape)}; got {list(x.shape)}.")
   (m, k), n = x.shape, w.shape[0]
   interpret = resolve_interpret(interpret)
-  tiles = make_tiles(
-    m,
-    n,
-    k,
-    w.fmt,
-    interpret=interpret,
-    block_m=block_m,
-    block_n=block_n,
-    block_k=block_k,
-    k_splits=k_splits,
-    num_warps=num_warps,
-    num_stages=num_stages,
-    ptx_decode=ptx_decode,
-  )
+  chosen = dict(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits, ptx_decode=ptx_decode)
+  tiles = make_tiles(m, n, k, w.fmt, interpret=interpret, num_warps=num_warps, num_stages=num_stages, **chosen)
   # M is not padded (no extra launch): the last m tile's block reaches past x's rows, the kernel
   # masks its loads and stores (`num_rows`), and a row of x only reaches its own output row.
   x = prepare_activations(x, quantize_activations, activation_format, w.fmt)

@@ -76,7 +76,7 @@ for sm_90a without a GPU): 2.48-2.49 SASS instructions per weight, against 6.6
 for the Pallas-Triton kernel. The rollout engine runs it on Hopper (rollout.expert_layout);
 `unpack_fragments` inverts the packing, for the jnp reference.
 
-Measured on an H200 (jax 0.11.2, device time: docs/gpu_check/h200-2026-12-04b-* to -04f-*; README):
+Measured on an H200 (jax 0.11.2, device time: docs/gpu_check/h200-2026-12-04b-* to -04f-*; docs/gpu.md):
 every GPU test here passed in run c; in run f the grouped ones (pass lanes, four row tiles) passed again.
 K = N = 8192 at the default tiles: 15.9 us at M = 1, 16.0 at M = 8, 22.9 at M = 64, against 33.8-40.3 us for
 XLA's bf16 dot (2.1x, 2.2x, 1.8x); at K = 32768, M = 8: 2.37x.
@@ -734,7 +734,7 @@ def default_grouped_tiles(m: int, num_experts: int, k: int, n: int = 0) -> Mosai
   tiles_per_block: the row units a block chains (its copies wait for HBM once, not once per unit), chosen
   by the time it predicts: rounds of SMS blocks x (BLOCK_FIXED_STEPS + the steps of a block's units), counting
   the blocks that stream (experts with rows: at most M; their second lanes only where passes are expected; the
-  blocks that end at once are not counted, though on an H200 the empty second lanes cost 5-8 us: README). At 64
+  blocks that end at once are not counted, though on an H200 the empty second lanes cost 5-8 us: docs/gpu.md). At 64
   and 256 tokens top-8 of 128 experts that is one block per expert and lane, all its units chained. On an H200
   at 64 tokens (docs/gpu_check/h200-2026-12-04e-*, -04f-*): gate_up [1536, 2048] 87.8 us, against 101.0 at 4
   units per block (the earlier default; 750 blocks, 6 rounds) and 82.6 with one lane; down [2048, 768] 53.4

@@ -59,6 +59,7 @@ _LONGEST_FIRST = (
   "test_long_tasks.py",
   "test_benchmarks.py",
   "test_qwen3_5.py",
+  "test_pretrained.py",
   "test_async_rl.py",
   "test_model.py",
 )
@@ -83,3 +84,17 @@ def xla_cache():
   """The on-disk compilation cache (the session's, see pytest_configure, or the user's own): for tests
   that hand it to the subprocesses they start."""
   return jax.config.jax_compilation_cache_dir
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  """A module's tfds data folder: the tasks' array_record files are built there once per module."""
+  return str(tmp_path_factory.mktemp("tfds"))
+
+
+@pytest.fixture
+def no_eval(monkeypatch):
+  """Stubs the end-of-run greedy evaluation for runs whose figures do not need it."""
+  from tests.tiny import skip_evaluation
+
+  skip_evaluation(monkeypatch)

@@ -143,6 +143,17 @@ def metric_diff(ma: list[dict], mb: list[dict]) -> float:
   return max(diffs)
 
 
+def against_one_device(single: dict, res: dict) -> dict:
+  """What a sharded pipeline run shares with the one-device run: tokens, log-probs, metrics, parameters."""
+  return dict(
+    tokens_equal=all(np.array_equal(a, b) for a, b in zip(single["tokens"], res["tokens"])),
+    logprob_diff=max_diff(single["logprobs"], res["logprobs"]),
+    metric_diff=metric_diff(single["metrics"], res["metrics"]),
+    param_diff=max_diff(single["params"], res["params"]),
+    grad_norm=[m["grad_norm"] for m in res["metrics"]],
+  )
+
+
 def check_rl(results: dict) -> None:
   """Two RL steps on one device against a disaggregated layout: the engine on devices 0-3
   (expert 2 x tensor 2), the trainer on devices 4-7 (fsdp 2 x expert 2); both expert parallel."""
@@ -165,11 +176,7 @@ def check_rl(results: dict) -> None:
     staleness_part=[m["mismatch/staleness_part/logp_diff_mean"] for m in res_async],
   )
   results["rl"] = dict(
-    tokens_equal=all(np.array_equal(a, b) for a, b in zip(single["tokens"], res["tokens"])),
-    logprob_diff=max_diff(single["logprobs"], res["logprobs"]),
-    metric_diff=metric_diff(single["metrics"], res["metrics"]),
-    param_diff=max_diff(single["params"], res["params"]),
-    grad_norm=[m["grad_norm"] for m in res["metrics"]],
+    **against_one_device(single, res),
     dropped=[m.get("moe/dropped_tokens") for m in res["metrics"]],
     bytes=res["bytes"],
     single_bytes=single["bytes"],
@@ -192,11 +199,7 @@ def check_hybrid(results: dict) -> None:
   linear, full = res["state"].params.layers[0].attn, res["engine"].layers[1].attn
   spec = lambda x: str(x.sharding.spec)
   results["hybrid"] = dict(
-    tokens_equal=all(np.array_equal(a, b) for a, b in zip(single["tokens"], res["tokens"])),
-    logprob_diff=max_diff(single["logprobs"], res["logprobs"]),
-    metric_diff=metric_diff(single["metrics"], res["metrics"]),
-    param_diff=max_diff(single["params"], res["params"]),
-    grad_norm=[m["grad_norm"] for m in res["metrics"]],
+    **against_one_device(single, res),
     agreement={k: v for k, v in res["metrics"][0].items() if k.startswith("agreement/")},
     bytes=res["bytes"],
     trainer_specs=dict(

@@ -64,9 +64,11 @@ LAYERS = (
   "metrics_writer",
   "console",
   "job",
-  "async_rl",
-  "train",
   "hf",
+  "async_rl",
+  "export",
+  "train",
+  "evaluate",
   "main",
 )
 

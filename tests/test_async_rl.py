@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.test_train import cli_overrides, rows_without_time, run_main, tiny_config
+from tests.test_train import cli_overrides, main_after_its_first_step, rows_without_time, tiny_config
+from tests.tiny import skip_evaluation
 from trace_jax import async_rl, train
 from trace_jax.config import ConfigError
 from trace_jax.metrics_writer import read_metrics
@@ -128,21 +129,11 @@ def test_bad_async_settings_name_the_field(overrides, field, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
-
-
-@pytest.fixture
-def no_eval(monkeypatch):
-  monkeypatch.setattr(train, "evaluate", lambda *args, **kwargs: 0.0)
-
-
-@pytest.fixture(scope="module")
 def async_run(data_dir, tmp_path_factory):
   """The uninterrupted trace run with max_version_diff=2 (exact), evaluation stubbed."""
   workdir = str(tmp_path_factory.mktemp("async"))
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(train, "evaluate", lambda *args, **kwargs: 0.0)
+    skip_evaluation(mp)
     train.train_and_evaluate(tiny_config(data_dir, **ASYNC), workdir)
   return workdir
 
@@ -176,13 +167,7 @@ def test_resume_from_a_checkpoint_with_past_versions_matches(async_run, data_dir
 def test_kill_and_resume_reproduces_the_uninterrupted_run(async_run, data_dir, tmp_path, no_eval):
   """SIGKILL to `python -m trace_jax.main` (no chance to save) once a step is logged, then resume."""
   overrides = {**ASYNC, "eval_every": 0}
-  proc = run_main(["--config=configs/default.py:trace", f"--workdir={tmp_path}", *cli_overrides(data_dir, **overrides)])
-  metrics = tmp_path / "metrics.jsonl"
-  deadline = time.monotonic() + 300
-  while not (metrics.exists() and metrics.read_text().strip()):
-    assert proc.poll() is None, f"main exited early ({proc.returncode}):\n{proc.communicate()[1][-3000:]}"
-    assert time.monotonic() < deadline, "no RL step logged within 300 s"
-    time.sleep(0.02)
+  proc = main_after_its_first_step(tmp_path, cli_overrides(data_dir, **overrides))
   proc.send_signal(signal.SIGKILL)
   proc.communicate(timeout=60)
   assert proc.returncode == -signal.SIGKILL

@@ -11,7 +11,16 @@ from ml_collections import config_flags
 
 from configs import default, models
 from trace_jax import model
-from trace_jax.config import SECTIONS, ConfigError, QuantConfig, RunConfig, defaults, model_config
+from trace_jax.config import (
+  DEFAULT_SFT_STEPS,
+  SECTIONS,
+  ConfigError,
+  QuantConfig,
+  RunConfig,
+  SFTConfig,
+  defaults,
+  model_config,
+)
 
 DEFAULT_FILE = pathlib.Path(default.__file__)
 PRESETS = sorted(models.PRESETS)
@@ -35,17 +44,22 @@ def test_tiny_preset():
   assert logits.shape == (2, 16, 64)
 
 
-def test_qwen3_5_35b_a3b_parameter_count():
-  """Qwen3.5-35B-A3B's text model: 34.7B parameters (the published 35B also counts the vision tower and the
-  MTP head, which this model does not load), 3.45B active per token (embeddings and lm_head included; 'A3B')."""
-  c = model_config(models.qwen3_5_35b_a3b())
-  assert c.linear_layers == tuple(i for i in range(40) if (i + 1) % 4) and len(c.attention_layers) == 10
+def parameter_counts(c) -> tuple[int, int]:
+  """(all parameters, those active per token) of a model config, from abstract shapes (nothing allocated)."""
   params = jax.eval_shape(lambda: model.init_params(c, jax.random.key(0)))
   total = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
   experts = sum(
     int(np.prod(w.shape)) for layer in params.layers for w in (layer.mlp.gate, layer.mlp.up, layer.mlp.down)
   )
-  active = total - experts + experts * c.num_experts_per_tok // c.num_experts
+  return total, total - experts + experts * c.num_experts_per_tok // c.num_experts
+
+
+def test_qwen3_5_35b_a3b_parameter_count():
+  """Qwen3.5-35B-A3B's text model: 34.7B parameters (the published 35B also counts the vision tower and the
+  MTP head, which this model does not load), 3.45B active per token (embeddings and lm_head included; 'A3B')."""
+  c = model_config(models.qwen3_5_35b_a3b())
+  assert c.linear_layers == tuple(i for i in range(40) if (i + 1) % 4) and len(c.attention_layers) == 10
+  total, active = parameter_counts(c)
   assert 34.5e9 < total < 35.0e9, total
   assert 3.3e9 < active < 3.6e9, active
 
@@ -53,12 +67,7 @@ def test_qwen3_5_35b_a3b_parameter_count():
 def test_qwen3_30b_a3b_parameter_count():
   """30.5B parameters in all and 3.3B active per token, as Qwen reports."""
   c = model_config(models.qwen3_30b_a3b())
-  params = jax.eval_shape(lambda: model.init_params(c, jax.random.key(0)))
-  total = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
-  experts = sum(
-    int(np.prod(w.shape)) for layer in params.layers for w in (layer.mlp.gate, layer.mlp.up, layer.mlp.down)
-  )
-  active = total - experts + experts * c.num_experts_per_tok // c.num_experts
+  total, active = parameter_counts(c)
   assert 30.4e9 < total < 30.6e9, total
   assert 3.2e9 < active < 3.4e9, active
 
@@ -85,8 +94,10 @@ def test_config_defaults_live_in_the_dataclasses():
   """configs/default.py takes every section from the config dataclasses: one place for defaults."""
   cfg = default.get_config()
   run = RunConfig.from_config(cfg)
+  resolved = {"sft": SFTConfig(steps=DEFAULT_SFT_STEPS)}  # -1: the default number of SFT steps from random weights
   for name, cls in SECTIONS.items():
-    assert getattr(run, name if name not in ("rollout", "rl") else {"rollout": "sampling", "rl": "grpo"}[name]) == cls()
+    field = {"rollout": "sampling", "rl": "grpo"}.get(name, name)
+    assert getattr(run, field) == resolved.get(name, cls())
   assert cfg.to_dict() == {**defaults().to_dict(), "model": models.tiny().to_dict()}
 
 

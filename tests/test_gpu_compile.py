@@ -341,7 +341,7 @@ def test_mosaic_fp4_kernel(rows, label):
   instructions per weight (today 2.46-2.48): 11 per 8 weights decode the codes, 4 multiplies apply the scales, 1.5
   decode them, then the HGMMA and its descriptor, and the loop's fixed cost. Issue time stays under memory time in
   the roofline model. The model's speedup is not asserted: on an H200 the kernel measured 2.1-2.2x XLA's bf16 dot at
-  M <= 8 (device time), bounded by its copy pipeline (README, "measured"). These rows force one compute warpgroup;
+  M <= 8 (device time), bounded by its copy pipeline (docs/gpu.md, "measured"). These rows force one compute warpgroup;
   the default at block_m 16 and 64 is two (test_mosaic_fp4_two_warpgroups), measured faster though it issues more
   instructions per weight."""
   row = rows[label]
@@ -405,7 +405,7 @@ def test_mosaic_fp4_default_grouped_tiles(rows):
 @needs_toolchain
 def test_mosaic_fp4_x_tiles_of_8_rows(rows):
   """block_m = 8 (wgmma N = 8) halves x's shared memory per step, so that 7 slots of 512 fit: more weight
-  bytes in flight per SM. On an H200 (run d: README, "measured") it was no faster than the default, which
+  bytes in flight per SM. On an H200 (run d: docs/gpu.md, "measured") it was no faster than the default, which
   it is not. One launch, no spills, 16 HGMMA per warpgroup per step, the registers within the pool."""
   row = rows["mosaic_fp4_bm8"]
   assert row["launch_names"] == ["kCustomCall"] and row["spill_bytes"] == 0

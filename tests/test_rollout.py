@@ -137,28 +137,24 @@ def fp32_engine(params):
 
 
 @pytest.fixture(scope="module")
-def fp32_sampled(fp32_engine, batch):
-  return gen(fp32_engine, *batch, jax.random.key(5), FP32_ENGINE, SAMPLE)
-
-
-@pytest.fixture(scope="module")
-def greedy(fp32_engine, batch):
-  return gen(fp32_engine, *batch, jax.random.key(5), FP32_ENGINE, GREEDY)
-
-
-@pytest.fixture(scope="module")
 def fp4_engine(params):
   return rollout.weight_sync(params, QUANT)
 
 
-@pytest.fixture(scope="module")
-def fp4_full(fp4_engine, batch):
-  return gen(fp4_engine, *batch, jax.random.key(5), FP4_FULL, SAMPLE)
+def generated(engine: str, rollout_config, sampling):
+  """A module fixture: the batch generated once by the engine fixture named `engine` (key 5)."""
+
+  @pytest.fixture(scope="module")
+  def fixture(request, batch):
+    return gen(request.getfixturevalue(engine), *batch, jax.random.key(5), rollout_config, sampling)
+
+  return fixture
 
 
-@pytest.fixture(scope="module")
-def fp4_compact(fp4_engine, batch):
-  return gen(fp4_engine, *batch, jax.random.key(5), FP4_COMPACT, SAMPLE)
+fp32_sampled = generated("fp32_engine", FP32_ENGINE, SAMPLE)
+greedy = generated("fp32_engine", FP32_ENGINE, GREEDY)
+fp4_full = generated("fp4_engine", FP4_FULL, SAMPLE)
+fp4_compact = generated("fp4_engine", FP4_COMPACT, SAMPLE)
 
 
 @pytest.fixture(scope="module")
@@ -415,16 +411,7 @@ def test_without_codes_only_bit_agreement_is_reported(params, fp4_compact):
 @functools.partial(jax.jit, static_argnames=("ctx",))
 def trainer_stats(params, batch: TrainBatch, ctx):
   """The trainer's code counts over the positions the engine recorded, as trainer.make_rl_step takes them."""
-  _, aux = model.forward(
-    params,
-    batch.inputs,
-    batch.mask,
-    CFG,
-    ctx=ctx,
-    guidance=batch.guidance,
-    replay_ids=batch.replay_ids,
-    stats_mask=experience.measured_positions(batch),
-  )
+  _, aux = model.forward(params, batch.inputs, batch.mask, CFG, ctx=ctx, **experience.rollout_inputs(batch))
   return aux.quant_stats
 
 

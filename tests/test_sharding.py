@@ -306,14 +306,20 @@ def test_expert_parallel_reports_drops(results):
     assert r["rows_equal"] == 44 - r["rows_with_drops"], (a2a, r)  # rows without a drop are untouched
 
 
-@pytest.mark.slow
-def test_sharded_rl_steps_match_one_device(results):
-  r = results["rl"]
+def assert_matches_one_device(r: dict) -> None:
+  """The same tokens, log-probs and metrics (to float rounding), parameters after two steps, a live gradient."""
   assert r["tokens_equal"]
   assert r["logprob_diff"] < 1e-5
   assert r["metric_diff"] < 1e-5
   assert r["param_diff"] < 1e-4
-  assert r["grad_norm"][0] > 0 and r["dropped"] == [0.0, 0.0]
+  assert r["grad_norm"][0] > 0
+
+
+@pytest.mark.slow
+def test_sharded_rl_steps_match_one_device(results):
+  r = results["rl"]
+  assert_matches_one_device(r)
+  assert r["dropped"] == [0.0, 0.0]
 
 
 @pytest.mark.slow
@@ -331,11 +337,8 @@ def test_async_rl_on_separate_meshes_matches_one_device(results):
 def test_sharded_hybrid_rl_steps_match_one_device(hybrid_results):
   """The Qwen3.5 hybrid (Gated DeltaNet + gated full attention) with its heads split over 'tensor'."""
   r = hybrid_results["hybrid"]
-  assert r["tokens_equal"]
-  assert r["logprob_diff"] < 1e-5
-  assert r["metric_diff"] < 1e-5
-  assert r["param_diff"] < 1e-4
-  assert r["grad_norm"][0] > 0 and all(b["guidance"] > 0 for b in r["bytes"])
+  assert_matches_one_device(r)
+  assert all(b["guidance"] > 0 for b in r["bytes"])
   assert r["trainer_specs"]["v"] == "P('fsdp', 'tensor', None)" and r["trainer_specs"]["a_log"] == "P('tensor',)"
   assert r["engine_specs"]["v"] == "P(None, 'tensor', None)" and r["engine_specs"]["gate"] == "P(None, 'tensor', None)"
   # codes are compared for the routed experts of every layer, K/V only where a full-attention layer has them

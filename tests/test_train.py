@@ -67,22 +67,12 @@ SPEC_KEYS = (
 # --- fixtures and helpers -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
-
-
 def tiny_config(data_dir, mode="trace", **overrides):
   return sweep.configure(default.get_config(mode), {**TINY, "data.data_dir": data_dir, **overrides})
 
 
 def cli_overrides(data_dir, **overrides):
   return [f"--config.{k}={v}" for k, v in {**TINY, "data.data_dir": data_dir, **overrides}.items()]
-
-
-@pytest.fixture
-def no_eval(monkeypatch):
-  monkeypatch.setattr(train, "evaluate", lambda *args, **kwargs: 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +171,18 @@ def run_main(args, **kwargs):
     text=True,
     **kwargs,
   )
+
+
+def main_after_its_first_step(workdir, overrides, timeout_s=300):
+  """`python -m trace_jax.main` (trace mode) on `workdir`, returned once its first RL step is logged."""
+  proc = run_main(["--config=configs/default.py:trace", f"--workdir={workdir}", *overrides])
+  metrics = workdir / "metrics.jsonl"
+  deadline = time.monotonic() + timeout_s
+  while not (metrics.exists() and metrics.read_text().strip()):
+    assert proc.poll() is None, f"main exited early ({proc.returncode}):\n{proc.communicate()[1][-3000:]}"
+    assert time.monotonic() < deadline, f"no RL step logged within {timeout_s} s"
+    time.sleep(0.02)
+  return proc
 
 
 # --- the reference run: metrics and TensorBoard ---------------------------------------------
@@ -474,13 +476,7 @@ def test_a_shorter_run_extended_matches_the_uninterrupted_one(reference, data_di
 def test_sigterm_checkpoints_and_the_resumed_run_matches(reference, data_dir, tmp_path):
   """A real preemption: SIGTERM to `python -m trace_jax.main` after its first logged RL step."""
   workdir, _ = reference
-  proc = run_main(["--config=configs/default.py:trace", f"--workdir={tmp_path}", *cli_overrides(data_dir)])
-  metrics = tmp_path / "metrics.jsonl"
-  deadline = time.monotonic() + 300
-  while not (metrics.exists() and metrics.read_text().strip()):
-    assert proc.poll() is None, f"main exited early ({proc.returncode}):\n{proc.communicate()[1][-3000:]}"
-    assert time.monotonic() < deadline, "no RL step logged within 300 s"
-    time.sleep(0.05)
+  proc = main_after_its_first_step(tmp_path, cli_overrides(data_dir))
   proc.send_signal(signal.SIGTERM)
   stdout, stderr = proc.communicate(timeout=300)
   assert proc.returncode == 0, stderr[-3000:]

@@ -92,20 +92,17 @@ def bf16_engine(params):
   return rollout.weight_sync(params, None)
 
 
+def sample(engine, tokens, mask, engine_config, sampling=SAMPLING):
+  """The module's sampled sequences: `engine` on these prompts at seed 1, one sequence id per row."""
+  kwargs = dict(model_config=MODEL, rollout_config=engine_config, sampling=sampling)
+  return rollout.generate(engine, tokens, mask, jax.random.key(1), seq_ids=jnp.arange(tokens.shape[0]), **kwargs)
+
+
 @pytest.fixture(scope="module")
 def bf16_rollout(bf16_engine, prompts):
   """256 sequences of 64 sampled tokens at temperature 1 from the untrained model, mask on."""
   tokens, mask, _ = prompts
-  return rollout.generate(
-    bf16_engine,
-    tokens,
-    mask,
-    jax.random.key(1),
-    model_config=MODEL,
-    rollout_config=BF16_ENGINE,
-    sampling=SAMPLING,
-    seq_ids=jnp.arange(B),
-  )
+  return sample(bf16_engine, tokens, mask, BF16_ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -292,15 +289,9 @@ def test_bf16_mismatch_unchanged_by_the_mask(params, bf16_rollout, bf16_engine_l
 @pytest.fixture(scope="module")
 def fp32_rollout(params, prompts):
   tokens, mask, _ = prompts
-  return rollout.generate(
-    rollout.weight_sync(params, None, jnp.float32),
-    tokens[:FP32_B],
-    mask[:FP32_B],
-    jax.random.key(1),
-    model_config=MODEL,
-    rollout_config=FP32_ENGINE,
-    sampling=dataclasses.replace(SAMPLING, max_new_tokens=FP32_NEW),
-    seq_ids=jnp.arange(FP32_B),
+  engine = rollout.weight_sync(params, None, jnp.float32)
+  return sample(
+    engine, tokens[:FP32_B], mask[:FP32_B], FP32_ENGINE, dataclasses.replace(SAMPLING, max_new_tokens=FP32_NEW)
   )
 
 

@@ -30,3 +30,10 @@ TINY = {
   "data.num_train": 500,
   "data.num_test": 50,
 }
+
+
+def skip_evaluation(mp) -> None:
+  """Stubs the end-of-run greedy evaluation (train.evaluate) on a pytest MonkeyPatch."""
+  from trace_jax import train
+
+  mp.setattr(train, "evaluate", lambda *args, **kwargs: 0.0)

@@ -62,6 +62,14 @@ class Checkpointer:
       )
     return None, target
 
+  def restore(self, step: int, target):
+    """The checkpoint of `step`, into the structure, shapes and shardings of `target`."""
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
+    try:
+      return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    except Exception as e:  # noqa: BLE001 (any read failure: say which checkpoint)
+      raise CheckpointError(f"The checkpoint of step {step} in {self.directory} is unreadable: {e}") from e
+
   def _set_aside(self, steps: list[int]) -> None:
     """Move unreadable checkpoints out of the manager's directory: the resumed run saves those
     steps again, which orbax refuses while a directory of that step exists."""

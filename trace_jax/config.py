@@ -40,6 +40,14 @@ def _fail(field: str, message: str):
   raise ConfigError(f"config.{field}: {message}")
 
 
+def _at_least(obj, section: str, **bounds: tuple[int, str]):
+  """Each field NAME=(least, what 0 means or '') of `obj` must be >= least, else a ConfigError naming it."""
+  for name, (least, note) in bounds.items():
+    value = getattr(obj, name)
+    if value < least:
+      _fail(f"{section}{name}", f"must be >= {least}{f' ({note})' if note else ''}, got {value}.")
+
+
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
 
@@ -283,7 +291,7 @@ class TraceConfig:
   routed experts' input (once per token, shared by its k experts), their hidden activation (k rows
   per token), and K / V as the FP4 cache stores them. The default, the experts' input and K / V,
   was measured to keep most of what all four give for a third of the bytes on Qwen3-30B-A3B
-  (README, "Guided tensors"); the paper's accounting is the experts' input alone.
+  (docs/method.md, "Guided tensors"); the paper's accounting is the experts' input alone.
   diagnostics: the FP4 engine also records full codes in every layer, so that per-layer
   codeword agreement is measured in every mode (costs rollout memory, not guidance).
   """
@@ -341,12 +349,7 @@ class SamplingConfig:
       )
     if self.vocab_size and len({i for i in self.banned_ids if i < self.vocab_size}) >= self.vocab_size:
       _fail("sampling.banned_ids", f"{self.banned_ids} bans every id of the vocabulary [0, {self.vocab_size}).")
-    if self.max_new_tokens < 1:
-      _fail("rollout.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}.")
-    if self.temperature < 0:
-      _fail("rollout.temperature", f"must be >= 0 (0 = greedy), got {self.temperature}.")
-    if self.top_k < 0:
-      _fail("rollout.top_k", f"must be >= 0 (0 = off), got {self.top_k}.")
+    _at_least(self, "rollout.", max_new_tokens=(1, ""), temperature=(0, "0 = greedy"), top_k=(0, "0 = off"))
     if not 0 < self.top_p <= 1:
       _fail("rollout.top_p", f"must lie in (0, 1], got {self.top_p}.")
 
@@ -429,14 +432,8 @@ class GRPOConfig:
       )
     if self.clip_eps <= 0:
       _fail("rl.clip_eps", f"must be > 0, got {self.clip_eps}.")
-    if self.tis_cap < 0:
-      _fail("rl.tis_cap", f"must be >= 0 (0 = TIS off), got {self.tis_cap}.")
-    if self.ppo_epochs < 1:
-      _fail("rl.ppo_epochs", f"must be >= 1, got {self.ppo_epochs}.")
-    if self.minibatches < 1:
-      _fail("rl.minibatches", f"must be >= 1, got {self.minibatches}.")
-    if self.max_version_diff < 0:
-      _fail("rl.max_version_diff", f"must be >= 0 (0 = synchronous), got {self.max_version_diff}.")
+    _at_least(self, "rl.", tis_cap=(0, "0 = TIS off"), max_version_diff=(0, "0 = synchronous"))
+    _at_least(self, "rl.", ppo_epochs=(1, ""), minibatches=(1, ""))
     if self.staleness not in STALENESS_MODES:
       _fail("rl.staleness", f"unknown {self.staleness!r}; expected one of {STALENESS_MODES}.")
     if self.guidance_max_staleness < -1:
@@ -521,7 +518,7 @@ class OptimConfig:
       _fail("optim.grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}.")
 
 
-VERIFIERS = ("exact", "numeric", "code")
+VERIFIERS = ("exact", "numeric", "code", "math")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -530,7 +527,9 @@ class RewardConfig:
 
   verifier: 'exact' (the arithmetic and running-sum tasks: the number after the last ';' must equal
     the answer's), 'numeric' (GSM8K-style JSONL: the last number), 'code' (the code tasks: the
-    program runs in the sandbox against the hidden tests; data.task code_* needs it).
+    program runs in the sandbox against the hidden tests; data.task code_* needs it), 'math' (the
+    response's last \\boxed{} or GSM8K-style final number against the reference through math-verify:
+    1/2, 0.5 and \\frac{1}{2} agree; data.task 'math').
   partial_credit: a response whose final answer is wrong still earns correct_reward times the
     share of the answer's intermediate results it got right, in place (exact: the ';'-separated
     results of the running sum; the arithmetic task's answers have only the final one), or the
@@ -539,7 +538,7 @@ class RewardConfig:
   code_timeout_s: the wall-clock limit of one program (code verifier).
   """
 
-  verifier: Literal["exact", "numeric", "code"] = "exact"
+  verifier: Literal["exact", "numeric", "code", "math"] = "exact"
   correct_reward: float = 1.0
   format_reward: float = 0.1
   partial_credit: bool = False
@@ -548,15 +547,17 @@ class RewardConfig:
   def __post_init__(self):
     if self.verifier not in VERIFIERS:
       _fail("reward.verifier", f"must be one of {VERIFIERS}, got {self.verifier!r}.")
-    if self.partial_credit and self.verifier == "numeric":
+    if self.partial_credit and self.verifier in ("numeric", "math"):
       _fail(
-        "reward.partial_credit", "the 'numeric' verifier has no intermediate results to credit; use 'exact' or 'code'."
+        "reward.partial_credit",
+        f"the {self.verifier!r} verifier has no intermediate results to credit; use 'exact' or 'code'.",
       )
     if not self.code_timeout_s > 0:
       _fail("reward.code_timeout_s", f"must be > 0, got {self.code_timeout_s}.")
 
 
-TASKS = ("arithmetic", "running_sum", "code_synthesis", "code_jsonl")
+TASKS = ("arithmetic", "running_sum", "code_synthesis", "code_jsonl", "math")
+CHAT_TEMPLATES = ("auto", "none")
 CODE_TASKS = ("code_synthesis", "code_jsonl")
 
 
@@ -569,7 +570,13 @@ class DataConfig:
     blank that the response fills with the partial sum; data/long_tasks.py), 'code_synthesis'
     (write f from 3 input/output pairs; hidden tests run in the sandbox), 'code_jsonl' (MBPP/HumanEval-style problems from jsonl_train /
     jsonl_test). The code tasks need reward.verifier='code' and a model.vocab_size >= 100 (their
-    character tokenizer covers printable ASCII).
+    character tokenizer covers printable ASCII), 'math' (math word problems from jsonl_train / jsonl_test,
+    JSONL or Parquet, scored by reward.verifier='math'; data/math_tasks.py).
+  prompt_field / answer_field: the math task's columns; '' reads GSM8K ('question' / 'answer' ending
+    in '#### 42') and MATH / DAPO-style ('problem' / 'solution' with \\boxed{...}) rows alike.
+  skip_bad_rows: a malformed row of the math task is skipped and counted, not an error (FILE:LINE).
+  chat_template: 'auto' applies the tokenizer's chat template (tokenizer_config.json) to every prompt
+    when it has one; 'none' encodes the prompt text as it is. system_prompt: a system message before it.
   levels: the arithmetic task's levels. sum_terms: the running sum's horizon (every response is
     sum_terms * (2 * term_digits + 1) tokens: 13 -> 65 at 2 digits). term_digits: digits per term
     (the work per step: 1 a sum mod 10, 2 an addition with a carry).
@@ -588,25 +595,33 @@ class DataConfig:
   max_prompt_len: int = 12
   jsonl_train: str = ""
   jsonl_test: str = ""  # '' = evaluate on jsonl_train
+  prompt_field: str = ""
+  answer_field: str = ""
+  skip_bad_rows: bool = False
+  chat_template: str = "auto"
+  system_prompt: str = ""
 
   def __post_init__(self):
     if self.task not in TASKS:
       _fail("data.task", f"unknown task {self.task!r}; expected one of {TASKS}.")
+    if self.chat_template not in CHAT_TEMPLATES:
+      _fail("data.chat_template", f"must be one of {CHAT_TEMPLATES}, got {self.chat_template!r}.")
     if not 2 <= self.sum_terms <= 256:
       _fail("data.sum_terms", f"must lie in [2, 256], got {self.sum_terms}.")
     if not 1 <= self.term_digits <= 6:
       _fail("data.term_digits", f"must lie in [1, 6], got {self.term_digits}.")
-    for name in ("num_train", "num_test", "max_prompt_len"):
-      if getattr(self, name) < 1:
-        _fail(f"data.{name}", f"must be >= 1, got {getattr(self, name)}.")
-    if self.task == "code_jsonl" and not self.jsonl_train:
-      _fail("data.jsonl_train", "task 'code_jsonl' reads its problems from a JSONL file; set data.jsonl_train.")
+    _at_least(self, "data.", num_train=(1, ""), num_test=(1, ""), max_prompt_len=(1, ""))
+    if self.task in ("code_jsonl", "math") and not self.jsonl_train:
+      _fail("data.jsonl_train", f"task {self.task!r} reads its problems from a file; set data.jsonl_train.")
     if self.task in ("running_sum", "code_synthesis") and (self.jsonl_train or self.jsonl_test):
       _fail(
         "data.jsonl_train", f"task {self.task!r} is generated and reads no JSONL; unset data.jsonl_train/jsonl_test."
       )
     if self.jsonl_test and not self.jsonl_train:
       _fail("data.jsonl_test", "is only read with data.jsonl_train set.")
+
+
+DEFAULT_SFT_STEPS = 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -616,15 +631,18 @@ class SFTConfig:
   cache_dir: set to share the (deterministic) SFT result between runs, e.g. a sweep's modes.
   seed: the warm start's seed (the initial parameters and the SFT data order); -1: the run's
     `seed`. Set it to run several RL seeds from one warm start (they then share a cache entry).
+  steps: -1 = DEFAULT_SFT_STEPS from random weights and none from a pretrained one (init_from).
   """
 
-  steps: int = 300
+  steps: int = -1
   batch_size: int = 64
   cache_dir: str = ""
   seed: int = -1
   optim: OptimConfig = OptimConfig(learning_rate=3e-3, warmup_steps=20, end_lr_fraction=0.05)
 
   def __post_init__(self):
+    if self.steps < -1:
+      _fail("sft.steps", f"must be >= 0, or -1 for the default; got {self.steps}.")
     if self.seed < -1:
       _fail("sft.seed", f"must be >= 0, or -1 for the run's seed; got {self.seed}.")
 
@@ -675,9 +693,14 @@ class JobConfig:
 
   trainer_dtype: the trainer's matmul inputs (fp32 master weights, fp32 accumulation either way);
   'float32' makes sharded-vs-single-device comparisons tight.
+  init_from: a Hugging Face model directory (config.json + safetensors) to start from: the model
+    section comes from its config.json, the weights load straight into the trainer's shardings, the
+    tokenizer is its own (unless data.tokenizer is set) and SFT is off unless sft.steps says otherwise.
+  steps: RL steps; 0 runs none and exports the starting policy (WORKDIR/hf/).
   """
 
   seed: int = 0
+  init_from: str = ""
   mode: str = "trace"  # bf16 | fp4 | qat | qat_w4a16 | trace | trace_full
   steps: int = 60
   batch_prompts: int = 8  # prompts per step; x rl.num_generations sequences
@@ -690,9 +713,8 @@ class JobConfig:
 
   def __post_init__(self):
     _check_mode(self.mode)
-    for name in ("steps", "batch_prompts", "checkpoint_every", "eval_prompts"):
-      if getattr(self, name) < 1:
-        _fail(name, f"must be >= 1, got {getattr(self, name)}.")
+    _at_least(self, "", steps=(0, "0: export the starting policy"))
+    _at_least(self, "", batch_prompts=(1, ""), checkpoint_every=(1, ""), eval_prompts=(1, ""))
     if self.trainer_dtype not in ("bfloat16", "float32"):
       _fail("trainer_dtype", f"unknown {self.trainer_dtype!r}; expected 'bfloat16' or 'float32'.")
 
@@ -711,6 +733,22 @@ SECTIONS = {
   "distributed": DistributedConfig,
 }
 _TOKENIZER_FIELDS = ("eos_id", "pad_id", "vocab_size", "banned_ids")  # SamplingConfig fields from the tokenizer
+
+
+def parse_config_arg(arg: str, keys: tuple[str, ...], where: str, example: str) -> dict[str, str]:
+  """A get_config() argument 'WORD,key=value,...' -> {'mode': WORD, key: value} (a bare word is the mode).
+
+  keys: the keys besides 'mode' that the config file reads; where / example: for the error message.
+  """
+  out = {}
+  for part in filter(None, (p.strip() for p in (arg or "").split(","))):
+    key, sep, value = part.partition("=")
+    key, value = ("mode", key) if not sep else (key.strip(), value.strip())
+    if key not in ("mode", *keys) or key in out:
+      expected = " or ".join(["'MODE'", *(f"'{k}=...'" for k in keys)])
+      raise ValueError(f"{where}: cannot read {part!r} in {arg!r}; expected {expected} or both, e.g. {example!r}.")
+    out[key] = value
+  return out
 
 
 def to_config_dict(obj) -> ml_collections.ConfigDict:
@@ -759,6 +797,17 @@ def model_config(config_section) -> ModelConfig:
   return section(ModelConfig, config_section, "model")
 
 
+def unset_model_section() -> ml_collections.ConfigDict:
+  """A `model` section of placeholders (None, typed) for runs whose model comes from init_from: a
+  --config.model.FIELD override then parses, and must agree with the checkpoint's config.json."""
+  types = {"int": int, "float": float, "bool": bool, "str": str}
+  fields = {}
+  for f in dataclasses.fields(ModelConfig):
+    kind = types.get(str(f.type), tuple)
+    fields[f.name] = ml_collections.FieldReference(None, field_type=kind)
+  return ml_collections.ConfigDict(fields)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   """The validated, frozen view of a run's ConfigDict: one field per section (see the module docstring)."""
@@ -797,7 +846,16 @@ class RunConfig:
     """tokenizer: supplies EOS / PAD and the vocabulary the model must cover (None: the defaults)."""
     top = {k: v for k, v in cfg.items() if k not in SECTIONS and k != "model"}
     job = section(JobConfig, top, "config")
+    if job.init_from and any(v is None for v in cfg.get("model", {None: None}).values()):
+      _fail(
+        "model",
+        f"comes from init_from={job.init_from}: fill it from the checkpoint's config.json first with "
+        "hf.with_pretrained_model(cfg) (trace_jax.main, export and evaluate do).",
+      )
     model = model_config(cfg.model)
+    sft = section(SFTConfig, cfg.get("sft", {}), "sft")
+    if sft.steps < 0:
+      sft = dataclasses.replace(sft, steps=0 if job.init_from else DEFAULT_SFT_STEPS)
     quant = section(QuantConfig, cfg.get("quant", {}), "quant")
     trace = section(TraceConfig, cfg.get("trace", {}), "trace")
     run = cls(
@@ -810,7 +868,7 @@ class RunConfig:
       optim=section(OptimConfig, cfg.get("optim", {}), "optim"),
       reward=section(RewardConfig, cfg.get("reward", {}), "reward"),
       data=section(DataConfig, cfg.get("data", {}), "data"),
-      sft=section(SFTConfig, cfg.get("sft", {}), "sft"),
+      sft=sft,
       mesh=section(MeshConfig, cfg.get("mesh", {}), "mesh"),
       distributed=section(DistributedConfig, cfg.get("distributed", {}), "distributed"),
       mode=resolve_mode(job.mode, model, quant, trace),

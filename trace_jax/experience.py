@@ -90,6 +90,18 @@ def trainer_guidance(result: RolloutResult) -> tuple[dict[str, Guidance], ...]:
   return tuple(layers)
 
 
+def rollout_inputs(batch: TrainBatch) -> dict:
+  """What the trainer's forward takes from the rollout besides the tokens (`model.forward`'s keywords): the
+  guidance, the routing to replay, the positions the engine recorded, and each row's rollout id (its
+  guidance row, where mini-batches shuffle the rows)."""
+  return dict(
+    guidance=batch.guidance,
+    replay_ids=batch.replay_ids,
+    stats_mask=measured_positions(batch),
+    guidance_ids=batch.rollout_ids,
+  )
+
+
 def measured_positions(batch: TrainBatch) -> jax.Array:
   """Input positions the engine ran through its forward: real tokens followed by a real token.
 

@@ -22,6 +22,7 @@ Loaded parameters are host numpy arrays; place them with `jax.device_put(params,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import pathlib
 from collections.abc import Mapping
@@ -95,7 +96,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _IGNORED_PREFIXES = ("mtp.",)  # Qwen3.5's multi-token-prediction head: transformers drops it too
 
 
-class HFCheckpointError(ValueError):
+class HFCheckpointError(ConfigError):
   """A Hugging Face checkpoint (or export) this module cannot handle faithfully: the message names
   the field or tensor. Training checkpoints have their own `checkpoint.CheckpointError`."""
 
@@ -334,13 +335,11 @@ def _check_exportable(config: ModelConfig, arch: str):
       problems.append("shared_expert_intermediate_size = 0 (Qwen3.5-MoE has a gated shared expert)")
     if len(config.moe_layers) != config.num_layers:
       problems.append("dense MLP layers (Qwen3.5-MoE is sparse in every layer)")
-    if problems:
-      raise HFCheckpointError(f"cannot export as {arch}: config.model has " + "; ".join(problems) + ".")
-    return
-  if config.linear_layers or config.zero_centered_norm or config.attention_output_gate:
-    problems.append("Qwen3.5 features (linear_attention layers, zero-centred norms or gated attention)")
-  if config.shared_expert_intermediate_size:
-    problems.append("shared_expert_intermediate_size > 0 (neither architecture has a shared expert)")
+  else:
+    if config.linear_layers or config.zero_centered_norm or config.attention_output_gate:
+      problems.append("Qwen3.5 features (linear_attention layers, zero-centred norms or gated attention)")
+    if config.shared_expert_intermediate_size:
+      problems.append("shared_expert_intermediate_size > 0 (neither architecture has a shared expert)")
   if arch == QWEN3_MOE and not config.qk_norm:
     problems.append("qk_norm = False (Qwen3-MoE always has QK-norm)")
   if arch == MIXTRAL:
@@ -393,7 +392,8 @@ class _Reader:
   def has(self, name: str) -> bool:
     return name in self._where
 
-  def get(self, name: str, shape: tuple[int, ...], hint: str) -> np.ndarray:
+  def get(self, name: str, shape: tuple[int, ...], hint: str, rows: slice | None = None) -> np.ndarray:
+    """The tensor, checked against `shape`; rows: only these rows of its leading axis are read."""
     if name not in self._where:
       raise HFCheckpointError(
         f"{self.path}: tensor {name!r} is missing (expected shape {shape}, from config.json {hint}). "
@@ -406,6 +406,8 @@ class _Reader:
         "make config.json match the checkpoint."
       )
     self.unused.discard(name)
+    if rows is not None:
+      return self._where[name].get_slice(name)[rows]
     return self._where[name].get_tensor(name)
 
 
@@ -414,7 +416,7 @@ def _attention_shapes(c: ModelConfig):
   return hint, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
 
 
-def _read_layer(r: _Reader, c: ModelConfig, arch: str, i: int, dtype) -> LayerParams:
+def _read_layer(r: _Reader, c: ModelConfig, arch: str, i: int, dtype, experts: slice | None = None) -> LayerParams:
   h, p = c.hidden_size, f"model.layers.{i}."
   cast = lambda a: np.ascontiguousarray(a, dtype=dtype)
   hint, q_out, kv_out = _attention_shapes(c)
@@ -434,7 +436,7 @@ def _read_layer(r: _Reader, c: ModelConfig, arch: str, i: int, dtype) -> LayerPa
       gate=cast(q_rows[..., c.head_dim :]) if gated else None,
     )
   if c.is_moe_layer(i):
-    mlp = _read_experts(r, c, arch, i, cast)
+    mlp = _read_experts(r, c, arch, i, cast, experts)
   else:  # a dense SwiGLU layer (Qwen3 mlp_only_layers / decoder_sparse_step)
     n, why = c.intermediate_size, "hidden_size, intermediate_size"
     mlp = MLPParams(
@@ -500,19 +502,25 @@ def _deltanet_state_dict(p: str, a: DeltaNetParams, c: ModelConfig) -> dict[str,
   }
 
 
-def _read_experts(r: _Reader, c: ModelConfig, arch: str, i: int, cast) -> MoEParams:
+def _read_experts(r: _Reader, c: ModelConfig, arch: str, i: int, cast, experts: slice | None = None) -> MoEParams:
+  """experts: read only these experts (the ones this process holds); gate/up/down then stack just them."""
   e, h, n = c.num_experts, c.hidden_size, c.moe_intermediate_size
+  experts = experts or slice(0, e)
   module = _moe_module(arch, i, r)
   why = "num_experts, hidden_size, moe_intermediate_size"
   router = cast(r.get(f"{module}.gate.weight", (e, h), "num_experts, hidden_size").T)
   names = _EXPERTS[arch][1]
   fused = f"{module}.experts.gate_up_proj"
   if not r.has(f"{module}.experts.0.{names[0]}.weight") and r.has(fused):
-    gate_up = r.get(fused, (e, 2 * n, h), why)
+    gate_up = r.get(fused, (e, 2 * n, h), why, rows=experts)
     gate, up = gate_up[:, :n].transpose(0, 2, 1), gate_up[:, n:].transpose(0, 2, 1)
-    down = r.get(f"{module}.experts.down_proj", (e, h, n), why).transpose(0, 2, 1)
+    down = r.get(f"{module}.experts.down_proj", (e, h, n), why, rows=experts).transpose(0, 2, 1)
   else:
-    stack = lambda name, shape: np.stack([r.get(f"{module}.experts.{j}.{name}.weight", shape, why).T for j in range(e)])
+    wanted = range(e)[experts]
+    for j in sorted(set(range(e)) - set(wanted)):  # another process's: checked to exist, not read
+      for name, shape in zip(names, ((n, h), (n, h), (h, n))):
+        r.get(f"{module}.experts.{j}.{name}.weight", shape, why, rows=slice(0, 0))
+    stack = lambda name, shape: np.stack([r.get(f"{module}.experts.{j}.{name}.weight", shape, why).T for j in wanted])
     gate, up, down = stack(names[0], (n, h)), stack(names[1], (n, h)), stack(names[2], (h, n))
   shared = shared_gate = None
   if c.shared_expert_intermediate_size:  # Qwen3.5 / Qwen2-MoE: mlp.shared_expert + mlp.shared_expert_gate
@@ -527,31 +535,92 @@ def _read_experts(r: _Reader, c: ModelConfig, arch: str, i: int, cast) -> MoEPar
   return MoEParams(router=router, gate=cast(gate), up=cast(up), down=cast(down), shared=shared, shared_gate=shared_gate)
 
 
-def load_pretrained(path: str | pathlib.Path, dtype=np.float32) -> tuple[ModelConfig, Params]:
-  """(ModelConfig, Params) from a Hugging Face checkpoint directory; weights cast to `dtype`.
-
-  Every tensor must be used: a missing, misshaped or unexpected tensor raises HFCheckpointError.
-  """
-  path = pathlib.Path(path)
+def _hf_config(path: pathlib.Path) -> dict[str, Any]:
+  if not path.is_dir():
+    raise HFCheckpointError(f"{path}: no such directory; init_from / load_pretrained take a Hugging Face model folder.")
   config_file = path / "config.json"
   if not config_file.exists():
     raise HFCheckpointError(f"{path}: no config.json; a Hugging Face checkpoint directory needs one.")
-  hf = json.loads(config_file.read_text())
+  try:
+    return json.loads(config_file.read_text())
+  except json.JSONDecodeError as e:
+    raise HFCheckpointError(f"{config_file}: not valid JSON ({e.msg}, line {e.lineno}).") from None
+
+
+def read_config(path: str | pathlib.Path) -> ModelConfig:
+  """The ModelConfig of a Hugging Face checkpoint directory (its config.json), without reading weights."""
+  hf = _hf_config(pathlib.Path(path))
+  architecture_of(hf)
+  return config_from_hf(hf)
+
+
+# ModelConfig fields that are ours, not the checkpoint's (how the trainer computes, not what the model is).
+OWN_MODEL_FIELDS = ("linear_chunk_size",)
+
+
+def with_pretrained_model(cfg):
+  """A copy of a run's ConfigDict whose `model` section is its init_from checkpoint's (config.json).
+
+  A field the section sets (not None: a preset, or a --config.model.* override) must agree with the
+  checkpoint; one that contradicts it is a ConfigError naming the field. The fields of
+  OWN_MODEL_FIELDS are taken from the section. Without init_from, `cfg` is returned as it is.
+  """
+  import ml_collections  # noqa: PLC0415
+
+  init_from = cfg.get("init_from", "")
+  if not init_from:
+    return cfg
+  model = read_config(init_from)
+  given = cfg.model.to_dict() if cfg.get("model") is not None else {}
+  unknown = sorted(set(given) - {f.name for f in dataclasses.fields(ModelConfig)})
+  if unknown:
+    raise ConfigError(f"config.model.{unknown[0]}: unknown field of ModelConfig.")
+  own = {k: given[k] for k in OWN_MODEL_FIELDS if given.get(k) is not None}
+  model = dataclasses.replace(model, **own)
+  for name, value in sorted(given.items()):
+    value = tuple(value) if isinstance(value, list) else value
+    if value is not None and value != getattr(model, name):
+      raise ConfigError(
+        f"config.model.{name}: is {value!r}, but init_from={init_from} says {getattr(model, name)!r} (its "
+        "config.json): the model section comes from the checkpoint. Drop the preset or the override "
+        "(configs/hf_math.py leaves the model section unset)."
+      )
+  out = ml_collections.ConfigDict(cfg.to_dict())
+  out.model = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(model).items()}
+  return out
+
+
+def load_pretrained(
+  path: str | pathlib.Path, dtype=np.float32, place=None, experts: slice | None = None
+) -> tuple[ModelConfig, Params]:
+  """(ModelConfig, Params) from a Hugging Face checkpoint directory; weights cast to `dtype`.
+
+  Every tensor must be used: a missing, misshaped or unexpected tensor raises HFCheckpointError.
+  place: None returns host numpy arrays. Otherwise `place(name, part)` is called on each part of
+  the tree as it is read ('embed', then 'layers.0', 'layers.1', ..., 'final_norm', 'lm_head') and
+  its result kept, so that host memory holds one layer at a time (`load_sharded` puts each on a
+  mesh). experts: read only these routed experts of every MoE layer (those this process holds).
+  """
+  path = pathlib.Path(path)
+  hf = _hf_config(path)
   arch = architecture_of(hf)
   c = config_from_hf(hf)
   dtype = np.dtype(dtype)
+  place = place or (lambda name, tree: tree)
   with contextlib.ExitStack() as stack:
     r = _Reader(path, stack)
     cast = lambda a: np.ascontiguousarray(a, dtype=dtype)
     embed = cast(r.get("model.embed_tokens.weight", (c.vocab_size, c.hidden_size), "vocab_size, hidden_size"))
-    layers = tuple(_read_layer(r, c, arch, i, dtype) for i in range(c.num_layers))
+    embed = place("embed", embed)
+    layers = tuple(place(f"layers.{i}", _read_layer(r, c, arch, i, dtype, experts)) for i in range(c.num_layers))
     final_norm = cast(r.get("model.norm.weight", (c.hidden_size,), "hidden_size"))
     if c.tie_word_embeddings:
       lm_head = None
       r.unused.discard("lm_head.weight")  # some exporters write the tied copy anyway
     else:
       why = "vocab_size, hidden_size, tie_word_embeddings = false"
-      lm_head = cast(r.get("lm_head.weight", (c.vocab_size, c.hidden_size), why).T)
+      lm_head = place("lm_head", cast(r.get("lm_head.weight", (c.vocab_size, c.hidden_size), why).T))
+    final_norm = place("final_norm", final_norm)
     visual = sorted(n for n in r.unused if n.startswith(("model.visual.", "visual.")))
     if visual:
       raise HFCheckpointError(
@@ -567,6 +636,56 @@ def load_pretrained(path: str | pathlib.Path, dtype=np.float32) -> tuple[ModelCo
         "layers/experts than config.json says); fix config.json or remove them."
       )
   return c, Params(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
+
+
+def load_sharded(path: str | pathlib.Path, mesh, dtype=np.float32) -> tuple[ModelConfig, Params]:
+  """(ModelConfig, Params) with every parameter placed straight into its trainer shardings on `mesh`.
+
+  One layer at a time is read into host memory, then handed to `jax.make_array_from_callback`
+  (each device takes its slice); each process reads only the routed experts its devices hold (the
+  experts axis is the bulk of an MoE's bytes) and the dense tensors whole.
+  """
+  import jax  # noqa: PLC0415 (the host loader stays usable without a backend)
+
+  from trace_jax import model, sharding  # noqa: PLC0415
+
+  config = read_config(path)
+  abstract = jax.eval_shape(lambda: model.init_params(config, jax.random.key(0), dtype=dtype))
+  shardings = sharding.logical_shardings(abstract, mesh)
+  experts = None
+  moe = next((layer.mlp for layer in abstract.layers if isinstance(layer.mlp, MoEParams)), None)
+  if moe is not None:
+    moe_sharding = next(layer.mlp for layer in shardings.layers if isinstance(layer.mlp, MoEParams)).gate
+    experts = sharding.process_rows(moe_sharding, moe.gate.shape)
+
+  def put(host, shape, where):
+    offset = experts.start if host.shape != shape.shape else 0  # the experts this process holds
+    host = np.asarray(host, dtype=shape.dtype)
+
+    def shard(index):
+      if offset or host.shape != shape.shape:
+        first = index[0]
+        stop = shape.shape[0] if first.stop is None else first.stop
+        index = (slice((first.start or 0) - offset, stop - offset), *index[1:])
+      return host[index]
+
+    return jax.make_array_from_callback(shape.shape, where, shard)
+
+  def part(name: str):
+    node_shape, node_where = abstract, shardings
+    for key in name.split("."):
+      node_shape, node_where = (
+        (node_shape[int(key)], node_where[int(key)])
+        if key.isdigit()
+        else (getattr(node_shape, key), getattr(node_where, key))
+      )
+    return node_shape, node_where
+
+  def place(name, tree):
+    shapes, where = part(name)
+    return jax.tree_util.tree_map(put, tree, shapes, where)
+
+  return load_pretrained(path, dtype, place=place, experts=experts)
 
 
 # ---------------------------------------------------------------------------------------------

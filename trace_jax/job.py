@@ -63,6 +63,8 @@ def sft_cache_path(cfg: ml_collections.ConfigDict) -> str:
   keyed["sft"].pop("cache_dir")
   sft_seed = keyed["sft"].pop("seed", -1)
   keyed["seed"] = cfg.seed if sft_seed < 0 else sft_seed  # runs of other seeds from one warm start share it
+  if cfg.get("init_from"):  # SFT from a pretrained checkpoint: keyed by the checkpoint too
+    keyed["init_from"] = os.path.abspath(cfg.init_from)
   digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
   return os.path.join(cfg.sft.cache_dir, f"sft-{digest}")
 

@@ -25,17 +25,33 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from trace_jax import async_rl, checkpoint, cluster, data, experience, job, model, rl, rollout, sharding, trainer
+from trace_jax import (
+  async_rl,
+  checkpoint,
+  cluster,
+  data,
+  experience,
+  export,
+  hf,
+  job,
+  model,
+  rl,
+  rollout,
+  sharding,
+  trainer,
+)
 from trace_jax.config import ConfigError, DataConfig, QuantConfig, RunConfig
 from trace_jax.experience import measured_positions
 from trace_jax.metrics_writer import read_metrics
 
 
-def load_data(cfg: DataConfig, max_new_tokens: int | None = None):
+def load_data(cfg: DataConfig, max_new_tokens: int | None = None, pretrained: str = ""):
   """(tokenizer, train source, test source) for the configured task (data.task).
 
   The tokenizer is the task's character tokenizer (data.task_alphabet) unless data.tokenizer names
-  a tokenizer.json. Sources: the arithmetic and running-sum tasks are tfds array_record datasets
+  a tokenizer.json or a model folder, or `pretrained` (config.init_from) is a model folder: then it
+  is that folder's tokenizer, with its chat template (data.chat_template, data.system_prompt).
+  Sources: the math task reads JSONL or Parquet problems (data.jsonl_train / jsonl_test). Otherwise the arithmetic and running-sum tasks are tfds array_record datasets
   (built once under data.data_dir), or {"prompt", "answer"} JSONL for 'arithmetic' with
   data.jsonl_train; the code tasks are lists of Examples whose answer is the hidden tests
   (data.code_sources).
@@ -45,15 +61,24 @@ def load_data(cfg: DataConfig, max_new_tokens: int | None = None):
   generated tasks are checked on their longest problems (exact for the character tokenizer), files
   and code problems one by one.
   """
-  tokenizer = data.load_tokenizer(cfg.tokenizer or None, task=cfg.task)
+  spec = cfg.tokenizer or pretrained or None
+  chat = dict(chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)
+  tokenizer = data.load_tokenizer(spec, task=cfg.task, **(chat if spec and os.path.isdir(spec) else {}))
 
-  def check(examples):
+  def check(examples, answers: bool = True):
     if max_new_tokens is not None:
-      data.check_lengths(examples, tokenizer, cfg.max_prompt_len, max_new_tokens)
+      data.check_lengths(examples, tokenizer, cfg.max_prompt_len, max_new_tokens if answers else None)
 
   if cfg.task in ("code_synthesis", "code_jsonl"):
     train, test = data.code_sources(cfg)
     check({f"problem {ex.metadata['name']}": ex for src in (train, test) for ex in src})
+    return tokenizer, train, test
+  if cfg.task == "math":
+    fields = dict(prompt_field=cfg.prompt_field, answer_field=cfg.answer_field, skip_bad_rows=cfg.skip_bad_rows)
+    train = data.MathSource(cfg.jsonl_train, **fields)
+    test = data.MathSource(cfg.jsonl_test, **fields) if cfg.jsonl_test else train
+    # from a pretrained policy (no SFT by default) the reference solutions need not fit a response
+    check({f"{src.path}:{ex.metadata['line']}": ex for src in (train, test) for ex in src}, answers=not pretrained)
     return tokenizer, train, test
   generated = dict(data_dir=cfg.data_dir or None, num_train=cfg.num_train, num_test=cfg.num_test, seed=cfg.seed)
   if cfg.task == "running_sum":
@@ -106,32 +131,48 @@ def sft_warm_start(params, run: RunConfig, tokenizer, source, *, cache: str = ""
   return state.params
 
 
-def evaluate(params, run: RunConfig, quant: QuantConfig | None, tokenizer, source, rng, topology=None) -> float:
-  """Greedy accuracy on the first `eval_prompts` test prompts with a BF16 (quant=None) or FP4 engine."""
-  topology = topology or cluster.Topology.single_device()
-  n = min(run.job.eval_prompts, len(source))
-  batcher = data.PromptBatcher(source, tokenizer, n, run.data.max_prompt_len, seed=0, shuffle=False)
-  b = batcher.batch_at(0)
-  greedy = dataclasses.replace(run.sampling, temperature=0.0)
+def engine_for(params, run: RunConfig, quant: QuantConfig | None, topology):
+  """(engine params on the rollout mesh, the engine's config) of trainer `params`: a BF16 engine
+  (quant=None) or an FP4 one, as evaluation uses them."""
   engine_config = rollout.RolloutConfig(quant=quant)
   layout = rollout.expert_layout(engine_config, run.model)
   engine_params, _ = cluster.make_weight_sync(quant, topology.trainer, topology.rollout, layout)(params)
-  host = (b.tokens, b.mask)
-  prompts, mask = sharding.host_to_global(host, sharding.batch_shardings(host, topology.rollout))
+  return engine_params, engine_config
+
+
+def respond(engine, run: RunConfig, prompts: data.PromptBatch, rng, topology, sampling=None, repeats: int = 1):
+  """Responses to a batch of prompts, `repeats` samples each (rows prompt-major): (response tokens
+  [B * repeats, R], whether each ended with EOS within rollout.max_new_tokens [B * repeats])."""
+  engine_params, engine_config = engine
+  host = (np.repeat(prompts.tokens, repeats, axis=0), np.repeat(prompts.mask, repeats, axis=0))
+  tokens, mask = sharding.host_to_global(host, sharding.batch_shardings(host, topology.rollout))
   res = cluster.make_generate(topology.rollout)(
     engine_params,
-    prompts,
+    tokens,
     mask,
     rng,
     None,
     model_config=run.model,
     rollout_config=engine_config,
-    sampling=greedy,
+    sampling=sampling or dataclasses.replace(run.sampling, temperature=0.0),
     expert_parallel=topology.rollout_expert_parallel,
   )
-  responses = sharding.to_host(res.tokens)[:, b.tokens.shape[1] :]
-  correct = dataclasses.replace(run.reward, correct_reward=1.0, format_reward=0.0, partial_credit=False)
-  return float(np.mean(data.batch_rewards(b.answers, responses, tokenizer, correct)))
+  responses = sharding.to_host(res.tokens)[:, prompts.tokens.shape[1] :]
+  return responses, (responses == run.sampling.eos_id).any(axis=1)
+
+
+def correct_only(run: RunConfig):
+  """The run's verifier scoring 1 for a correct answer and nothing else: what accuracy counts."""
+  return dataclasses.replace(run.reward, correct_reward=1.0, format_reward=0.0, partial_credit=False)
+
+
+def evaluate(params, run: RunConfig, quant: QuantConfig | None, tokenizer, source, rng, topology=None) -> float:
+  """Greedy accuracy on the first `eval_prompts` test prompts with a BF16 (quant=None) or FP4 engine."""
+  topology = topology or cluster.Topology.single_device()
+  n = min(run.job.eval_prompts, len(source))
+  b = data.PromptBatcher(source, tokenizer, n, run.data.max_prompt_len, seed=0, shuffle=False).batch_at(0)
+  responses, _ = respond(engine_for(params, run, quant, topology), run, b, rng, topology)
+  return float(np.mean(data.batch_rewards(b.answers, responses, tokenizer, correct_only(run))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,7 +386,7 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
   Devices come from `cfg.mesh` (trainer and rollout meshes, MoE dispatch) and, for several
   hosts, `cfg.distributed` or the JAX_* environment (sharding.initialize_distributed).
   """
-  run = RunConfig.from_config(cfg)
+  run = RunConfig.from_config(hf.with_pretrained_model(cfg))  # the model section from init_from's config.json
   sharding.initialize_distributed(**dataclasses.asdict(run.distributed))
   if run.grpo.max_version_diff and jax.process_count() > 1:
     raise ConfigError(
@@ -353,28 +394,33 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
       "each host's producer thread and trainer would launch collectives in their own order. Use "
       "rl.max_version_diff=0 across hosts, or one process with several devices."
     )
-  tokenizer, train_source, test_source = load_data(run.data, run.sampling.max_new_tokens)
+  tokenizer, train_source, test_source = load_data(run.data, run.sampling.max_new_tokens, run.job.init_from)
   run = run.with_tokenizer(tokenizer)
   topology = cluster.Topology.from_config(run.mesh)
   job.check_workdir(cfg, workdir)
+  job.write_json(os.path.join(workdir, "model.json"), dataclasses.asdict(run.model))  # export and evaluate read it
   _, rollout_key, eval_key = jax.random.split(jax.random.key(run.job.seed), 3)
   init_key = jax.random.split(jax.random.key(run.sft.seed_for(run.job.seed)), 3)[0]  # the warm start's
 
-  # The state: a checkpoint of this run, or SFT from a fresh init (checkpointed as step 0).
+  # The state: a checkpoint of this run, or the starting policy (a pretrained checkpoint or a fresh init, then
+  # SFT), checkpointed as step 0. A resumed run never reads init_from again.
   optimizer = trainer.make_optimizer(run.optim, run.job.steps)
-  state = trainer.init_state(run.model, optimizer, init_key, topology.trainer)
+  target = trainer.abstract_state(run.model, optimizer, topology.trainer)
   ckpt = checkpoint.Checkpointer(workdir, max_to_keep=run.job.keep_checkpoints)
   # The KL anchor is the policy RL starts from; a resumed run's own parameters have moved on.
   reference_path = os.path.join(workdir, "reference_params")
   d = run.grpo.max_version_diff  # > 0: rollouts from a producer ahead of the trainer (async_rl.py)
   versioned = lambda state, past: async_rl.VersionedState(state, past) if d else state
-  start, restored = ckpt.restore_latest(versioned(state, (state.params,) * d))
+  start, restored = ckpt.restore_latest(versioned(target, (target.params,) * d))
   state, past = (restored.state, restored.past_params) if d else (restored, ())
   if start is None:
     logging.info("Starting a new run in %s (mode %s).", workdir, run.mode.name)
-    params = sft_warm_start(
-      state.params, run, tokenizer, train_source, cache=job.sft_cache_path(cfg), mesh=topology.trainer
-    )
+    if run.job.init_from:
+      logging.info("Loading %s into the trainer's shardings.", run.job.init_from)
+      params = hf.load_sharded(run.job.init_from, topology.trainer)[1]
+    else:
+      params = trainer.init_state(run.model, optimizer, init_key, topology.trainer).params
+    params = sft_warm_start(params, run, tokenizer, train_source, cache=job.sft_cache_path(cfg), mesh=topology.trainer)
     state = trainer.fresh_state(params, optimizer, topology.trainer)
     if run.grpo.kl_coef > 0:  # before checkpoint 0, so that every resumable run has it
       checkpoint.save_tree(reference_path, state.params, force=True)
@@ -442,7 +488,13 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
           ckpt.save(step + 1, versioned(state, versions.past(step + 1)), force=True)
         if preempted.flag:
           break
+      finished = not preempted.flag
     ckpt.wait()
+    if finished:  # the final policy, for transformers / vLLM (a preempted run exports when it finishes)
+      try:
+        export.write_hf(os.path.join(workdir, "hf"), run, state.params, tokenizer)
+      except hf.HFCheckpointError as e:  # a model no Hugging Face architecture holds: the run stands
+        logging.warning("The final policy was not exported as a Hugging Face checkpoint: %s", e)
     summary = final_summary(workdir, run, state, tokenizer, test_source, eval_key, topology)
   finally:
     writer.close()

@@ -16,7 +16,7 @@ import optax
 
 from trace_jax import model, qat, rl, sharding
 from trace_jax.config import MOE_HIDDEN, ModelConfig, OptimConfig, RunConfig
-from trace_jax.experience import TrainBatch, measured_positions
+from trace_jax.experience import TrainBatch, measured_positions, rollout_inputs
 from trace_jax.quantizer import Guidance, QuantStats
 
 
@@ -73,6 +73,22 @@ def state_shardings(state: TrainState, optimizer, mesh) -> TrainState:
   params = sharding.logical_shardings(state.params, mesh)
   opt_state = sharding.opt_state_shardings(optimizer, state.opt_state, params, mesh)
   return TrainState(sharding.replicated(mesh), params, opt_state)
+
+
+def abstract_state(config: ModelConfig, optimizer, mesh) -> TrainState:
+  """The TrainState's shapes, dtypes and shardings on the mesh (ShapeDtypeStructs): what a checkpoint
+  restores into, without allocating the state first."""
+
+  def init():
+    params = model.init_params(config, jax.random.key(0))
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+  shapes = jax.eval_shape(init)
+  return jax.tree_util.tree_map(
+    lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
+    shapes,
+    state_shardings(shapes, optimizer, mesh),
+  )
 
 
 def init_state(config: ModelConfig, optimizer, rng: jax.Array, mesh) -> TrainState:
@@ -196,12 +212,9 @@ def _rl_forward(run: RunConfig, expert_parallel, guided: bool = True):
       batch.mask,
       config,
       ctx=ctx,
-      guidance=batch.guidance,
-      replay_ids=batch.replay_ids,
       moe_impl=moe_impl,
       expert_parallel=expert_parallel,
-      stats_mask=measured_positions(batch),
-      guidance_ids=batch.rollout_ids,
+      **rollout_inputs(batch),
     )
     return model.token_logprobs(logits, batch.targets, run.sampling), aux  # the policy that sampled
 

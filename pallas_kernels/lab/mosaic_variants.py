@@ -280,7 +280,7 @@ def mma_sync_rates(variants=wgmma_rate.MMA_SYNC_VARIANTS):
   accumulator chains per warp (wgmma_rate.mma_sync_rate_kernel): ns per unit, beside the wgmma rows. Its operands
   stay in registers: a kernel of this form would also load x's fragments from shared memory (an ldmatrix per 16 of
   K per warp), which wgmma reads itself. Clearly faster than wgmma at N = 16 would make that kernel worth building
-  (README: the lead past the wgmma floor)."""
+  (docs/gpu.md: the lead past the wgmma floor)."""
   for accumulators, wgs in variants:
     name = f"mma.sync rate N=16 wgs={wgs} accumulators={accumulators}"
     if time.time() - T0 > BUDGET_S or log.done((name, None)):

@@ -13,7 +13,7 @@ shared memory, B (the tokens) from shared memory, and a wgmma_wait(0) per call (
 copies, no decode. mosaic_variants.py times it at N = 8..256 and reports ns per instruction per SM.
 
 `mma_sync_rate_kernel(accumulators, ...)` does the same work per SM as N = 16 with per-warp mma.sync m16n8k16
-(two per 16 of K), the form the packed weights would also serve (README: the lead past the wgmma floor), in 4
+(two per 16 of K), the form the packed weights would also serve (docs/gpu.md: the lead past the wgmma floor), in 4
 or 2 accumulator chains per warp. Compiled here, ptxas issues the 4 chains' HMMAs back to back (256 in a loop of
 262 instructions) and pads the 2 chains' with 127 NOPs per 256 (each HMMA waits for its chain's previous one):
 a kernel of this form would keep 4 or more.
@@ -102,7 +102,7 @@ MMA_SYNC_PTX = (
 
 @functools.cache
 def mma_sync_rate_kernel(accumulators: int = 2, *, reps: int = REPS, wgs: int = 2, blocks: int = 132):
-  """The per-warp alternative at the FP4 kernel's shape (README: the lead past the wgmma floor): each warp of
+  """The per-warp alternative at the FP4 kernel's shape (docs/gpu.md: the lead past the wgmma floor): each warp of
   `wgs` warpgroups per block loops `reps` times over the MMAs of one wgmma call's work, 64 x 16 x 256 per
   warpgroup, as mma.sync m16n8k16 (bf16 in, f32 out): per warp 16 chunks of k16 x 2 halves of N = 16, 32
   instructions, into `accumulators` chains of 4 f32 registers each (2: one per half of N, every chunk adding to

@@ -9,6 +9,7 @@ Self-contained (no model imports): config -> data -> rollout -> train.
                    make_reward_fn (the trainer's), invalid_responses, numeric answer extraction
   tfds_builder.py  TraceArithmetic, TraceRunningSum (array_record, no TensorFlow), build_*_dataset, *_source
   jsonl.py         JsonlSource for {"prompt", "answer"} lines
+  math_tasks.py    MathSource: GSM8K- and MATH-style problems from JSONL or Parquet (the 'math' verifier: rewards.py)
   batching.py      PromptBatcher (left-padded prompts), SFTBatcher, both deterministic in (seed, step); check_lengths
   sandbox.py       run/run_batch: untrusted programs against assert tests in a sandboxed process; code_reward
   code_tasks.py    CodeProblem, load_code_jsonl (MBPP/HumanEval style), synthesis_problems / synthesis_split
@@ -28,6 +29,7 @@ from trace_jax.data.batching import (
 from trace_jax.data.code_tasks import CodeProblem, code_sources, load_code_jsonl, synthesis_problems, synthesis_split
 from trace_jax.data.jsonl import JsonlFormatError, JsonlSource
 from trace_jax.data.long_tasks import RunningSumTask, mean_target_tokens
+from trace_jax.data.math_tasks import MathFormatError, MathSource
 from trace_jax.data.rewards import (
   RewardConfig,
   answer_number,
@@ -36,7 +38,9 @@ from trace_jax.data.rewards import (
   extract_last_number,
   extract_program,
   invalid_responses,
+  last_boxed,
   make_reward_fn,
+  math_equal,
   numbers_equal,
   reward_fn,
   step_credit,
@@ -88,6 +92,8 @@ __all__ = [
   "HFTokenizer",
   "JsonlFormatError",
   "JsonlSource",
+  "MathFormatError",
+  "MathSource",
   "PromptBatch",
   "PromptBatcher",
   "RewardConfig",
@@ -116,11 +122,13 @@ __all__ = [
   "extract_last_number",
   "extract_program",
   "invalid_responses",
+  "last_boxed",
   "is_test_problem",
   "load_code_jsonl",
   "load_tokenizer",
   "longest_example",
   "make_reward_fn",
+  "math_equal",
   "mean_target_tokens",
   "numbers_equal",
   "reward_fn",

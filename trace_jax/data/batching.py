@@ -94,20 +94,22 @@ BatchT = TypeVar("BatchT", PromptBatch, SFTBatch)
 
 
 def _prompt_ids(ex: Example, tokenizer: Tokenizer) -> list[int]:
-  bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-  return bos + tokenizer.encode(ex.prompt)
+  return tokenizer.encode_prompt(ex.prompt)
 
 
 def _too_long(what: str, index: int, length: int, limit: int) -> ValueError:
   return ValueError(f"example {index}: {what} is {length} tokens, over the limit of {limit}")
 
 
-def check_lengths(examples: Mapping[str, Example], tokenizer: Tokenizer, max_prompt_len: int, max_new_tokens: int):
+def check_lengths(
+  examples: Mapping[str, Example], tokenizer: Tokenizer, max_prompt_len: int, max_new_tokens: int | None
+):
   """Refuse, before any work, a task that does not fit the configured lengths: a ConfigError naming the field.
 
   A prompt (with BOS) must fit data.max_prompt_len, and a target with its EOS must fit the
   rollout's response, which is up to rollout.max_new_tokens tokens, EOS included.
   examples: the examples to check, by the name the message gives them ('level 4', 'train.jsonl:12').
+  max_new_tokens None: the targets are not checked (no SFT on them: a pretrained policy's math problems).
   """
   prompt = lambda ex: len(_prompt_ids(ex, tokenizer))
   answer = lambda ex: len(tokenizer.encode(ex.target)) + 1
@@ -116,6 +118,8 @@ def check_lengths(examples: Mapping[str, Example], tokenizer: Tokenizer, max_pro
     ("prompts", prompt, "data.max_prompt_len", max_prompt_len, bos),
     ("answers", answer, "rollout.max_new_tokens", max_new_tokens, " with EOS"),
   ):
+    if limit is None:
+      continue
     needs = {name: length(ex) for name, ex in examples.items()}
     name = max(needs, key=needs.get)
     if needs[name] > limit:

@@ -13,14 +13,26 @@ import os
 from collections.abc import Iterator
 
 from trace_jax.data.rewards import answer_number
-from trace_jax.data.tasks import Example
+from trace_jax.data.tasks import Example, ExampleList
 
 
 class JsonlFormatError(ValueError):
   """A malformed JSONL line; the message names the file and the 1-based line number."""
 
 
-class JsonlSource:
+def jsonl_records(path: str, error=JsonlFormatError) -> Iterator[tuple[int, object]]:
+  """(1-based line number, the line's JSON value, or an `error` naming FILE:LINE) for each non-blank line."""
+  with open(path, encoding="utf-8") as f:
+    for line_number, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        yield line_number, json.loads(line)
+      except json.JSONDecodeError as e:
+        yield line_number, error(f"{path}:{line_number}: invalid JSON ({e.msg} at column {e.colno})")
+
+
+class JsonlSource(ExampleList):
   """Random-access examples from a JSONL file (the interface of a tfds data source: len and [i]).
 
   require_numeric_answer: reject answers with no number in them, which the numeric verifier
@@ -30,19 +42,15 @@ class JsonlSource:
   def __init__(self, path: str | os.PathLike, require_numeric_answer: bool = True):
     self.path = os.fspath(path)
     self.examples: list[Example] = []
-    with open(self.path, encoding="utf-8") as f:
-      for line_number, line in enumerate(f, start=1):
-        if line.strip():
-          self.examples.append(self._parse(line, line_number, require_numeric_answer))
+    for line_number, record in jsonl_records(self.path):
+      if isinstance(record, Exception):
+        raise record
+      self.examples.append(self._parse(record, line_number, require_numeric_answer))
     if not self.examples:
       raise JsonlFormatError(f"{self.path}: no examples")
 
-  def _parse(self, line: str, line_number: int, require_numeric_answer: bool) -> Example:
+  def _parse(self, record, line_number: int, require_numeric_answer: bool) -> Example:
     where = f"{self.path}:{line_number}"
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise JsonlFormatError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(record, dict):
       raise JsonlFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
     for key in ("prompt", "answer"):
@@ -64,12 +72,3 @@ class JsonlSource:
       raise JsonlFormatError(f"{where}: 'difficulty' must be an integer, got {difficulty!r}")
     metadata = {"line": line_number, **record}
     return Example(prompt=prompt, answer=answer, target=target, difficulty=difficulty, metadata=metadata)
-
-  def __len__(self) -> int:
-    return len(self.examples)
-
-  def __getitem__(self, index: int) -> Example:
-    return self.examples[index]
-
-  def __iter__(self) -> Iterator[Example]:
-    return iter(self.examples)

@@ -53,7 +53,7 @@ import dataclasses
 
 import numpy as np
 
-from trace_jax.data.tasks import SPLITS, STEP_SEPARATOR, Example, is_test_problem
+from trace_jax.data.tasks import SPLITS, STEP_SEPARATOR, Example, sample_split
 
 MAX_TERMS = 256
 MAX_DIGITS = 6
@@ -94,16 +94,13 @@ class RunningSumTask:
 
   def sample(self, rng: np.random.Generator, n: int, split: str = "train") -> list[Example]:
     """`n` examples of `split` drawn with `rng` (problems of the other split are rejected)."""
-    if split not in SPLITS:
-      raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    want_test = split == "test"
-    out: list[Example] = []
-    while len(out) < n:
-      chunk = max(64, 2 * (n - len(out)) if not want_test else 12 * (n - len(out)))
-      drawn = rng.integers(0, 10**self.digits, (chunk, self.terms))
-      candidates = (running_sum_example(row, self.digits) for row in drawn.tolist())
-      out.extend(ex for ex in candidates if is_test_problem(ex.prompt) == want_test)
-    return out[:n]
+
+    def draw(chunk: int) -> list[Example]:
+      return [
+        running_sum_example(row, self.digits) for row in rng.integers(0, 10**self.digits, (chunk, self.terms)).tolist()
+      ]
+
+    return sample_split(draw, n, split, test_overdraw=12)
 
   def generate(self, seed: int, n: int, split: str = "train") -> list[Example]:
     """Deterministic in (seed, split): the same call always returns the same examples."""

@@ -19,6 +19,9 @@ finished (decoded up to EOS) unless `finished=False`.
   numeric  the last number in the response must equal the last number of the answer (after its
            last '####' if any), compared exactly as decimals; commas, '$' and a trailing '.' are
            tolerated. Well formed: the response contains a number.
+  math     the response's last \\boxed{...} (else its '#### N', else its last number) must state the
+           reference's value, compared by math-verify (as verl and open-r1 compare): 1/2, 0.5 and
+           \\frac{1}{2} agree. Well formed: the response states an answer that way.
   code     the answer is the hidden tests (Python source with asserts); the program, taken from the
            response (the first ```python fenced block if there is one, else the whole text), runs
            in the sandbox (sandbox.run_batch, reward.code_timeout_s): correct = every test passed,
@@ -39,7 +42,9 @@ fails, scores 0.
 from __future__ import annotations
 
 import ast
+import functools
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
@@ -96,8 +101,67 @@ def _score_and_formatted(answer: str, text: str, config: RewardConfig) -> tuple[
     formatted = _STEPS_FORMAT.fullmatch(text) is not None and text.count(STEP_SEPARATOR) <= max_separators(answer)
     score = 1.0 if correct else (step_credit(answer, text) if config.partial_credit else 0.0)
     return score, formatted
+  if config.verifier == "math":
+    return math_score(answer, text)
   number = extract_last_number(text)
   return float(numbers_equal(number, answer_number(answer))), number is not None
+
+
+def last_boxed(text: str) -> str | None:
+  """The content of the last \\boxed{...} (or \\fbox{...}) in `text`, braces balanced; None if none."""
+  start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+  if start < 0:
+    return None
+  i = text.find("{", start)
+  if i < 0:
+    return None
+  depth = 0
+  for j in range(i, len(text)):
+    depth += {"{": 1, "}": -1}.get(text[j], 0)
+    if depth == 0:
+      return text[i + 1 : j]
+  return None  # unbalanced: cut off mid-answer
+
+
+def math_final_answer(text: str) -> str | None:
+  """What a response (or a reference solution) answers: its last \\boxed{}, else a GSM8K '#### N',
+  else its last number."""
+  boxed = last_boxed(text)
+  if boxed is not None:
+    return boxed
+  if "####" in text:
+    return answer_number(text)
+  return extract_last_number(text)
+
+
+@functools.lru_cache(maxsize=65536)
+def _parse(text: str, timeout: int | None):
+  import math_verify  # noqa: PLC0415 (sympy is slow to import: only math runs pay for it)
+
+  return math_verify.parse(f"${text}$", parsing_timeout=timeout)
+
+
+def math_equal(reference: str, answer: str | None) -> bool:
+  """Whether `answer` states the same value as `reference` (math-verify; both already extracted).
+
+  math-verify times out with SIGALRM, which only the main thread may set: elsewhere (the async
+  producer's thread) it runs without a timeout.
+  """
+  import math_verify  # noqa: PLC0415
+
+  if answer is None or not answer.strip():
+    return False
+  timeout = 5 if threading.current_thread() is threading.main_thread() else None
+  gold, pred = _parse(reference, timeout), _parse(answer, timeout)
+  if not gold or not pred:
+    return reference.strip() == answer.strip()
+  return bool(math_verify.verify(gold, pred, timeout_seconds=timeout))
+
+
+def math_score(reference: str, text: str) -> tuple[float, bool]:
+  """(1 if the response's final answer equals the reference, whether it states one at all)."""
+  answer = math_final_answer(text)
+  return float(math_equal(reference, answer)), answer is not None
 
 
 def extract_program(text: str) -> str:
@@ -225,8 +289,8 @@ def make_reward_fn(
   Total: an undecodable response scores 0 and is flagged invalid. The verifier must fit the task:
   the code tasks' answers are hidden tests, which only the 'code' verifier runs.
   """
-  if (task in CODE_TASKS) != (config.verifier == "code"):
-    want = "'code'" if task in CODE_TASKS else "'exact' or 'numeric'"
+  want = "'code'" if task in CODE_TASKS else "'math'" if task == "math" else "'exact' or 'numeric'"
+  if (task in CODE_TASKS) != (config.verifier == "code") or (task == "math") != (config.verifier == "math"):
     raise ConfigError(f"config.reward.verifier: task {task!r} needs {want}, got {config.verifier!r}.")
 
   def reward_fn(answers: Sequence[str], responses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -56,6 +56,21 @@ class DataSource(Protocol):
   def __getitem__(self, index: int) -> Example | Mapping[str, Any]: ...
 
 
+class ExampleList:
+  """A file's examples, read eagerly into `self.examples`: len, [i] and iteration (JSONL, math problems)."""
+
+  examples: list[Example]
+
+  def __len__(self) -> int:
+    return len(self.examples)
+
+  def __getitem__(self, index: int) -> Example:
+    return self.examples[index]
+
+  def __iter__(self):
+    return iter(self.examples)
+
+
 def _plain(value: Any) -> Any:
   """bytes -> str and numpy scalars -> Python, as tfds data sources return them."""
   if isinstance(value, bytes):
@@ -82,6 +97,20 @@ def as_example(record: Example | Mapping[str, Any]) -> Example:
 def is_test_problem(prompt: str) -> bool:
   """Whether a prompt is held out for the test split (seed-independent, see module doc)."""
   return zlib.crc32(prompt.encode("utf-8")) % TEST_BUCKETS == 0
+
+
+def sample_split(draw: Callable[[int], list[Example]], n: int, split: str, test_overdraw: int = 2) -> list[Example]:
+  """`n` examples of `split` from `draw(k)` (k new candidates a call), rejecting problems of the other split.
+  A call asks for max(64, overdraw x the examples still missing): 2 for train (9 in 10 problems are train
+  problems), `test_overdraw` for test."""
+  if split not in SPLITS:
+    raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+  want_test = split == "test"
+  out: list[Example] = []
+  while len(out) < n:
+    candidates = draw(max(64, (test_overdraw if want_test else 2) * (n - len(out))))
+    out.extend(ex for ex in candidates if is_test_problem(ex.prompt) == want_test)
+  return out[:n]
 
 
 def _format(level: int, a: int, b: int, c: int) -> Example:
@@ -130,17 +159,13 @@ class ArithmeticTask:
 
   def sample(self, rng: np.random.Generator, n: int, split: str = "train") -> list[Example]:
     """`n` examples of `split` drawn with `rng` (problems of the other split are rejected)."""
-    if split not in SPLITS:
-      raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    want_test = split == "test"
-    out: list[Example] = []
-    while len(out) < n:
-      chunk = max(64, 2 * (n - len(out)))
+
+    def draw(chunk: int) -> list[Example]:
       levels = rng.choice(np.asarray(self.levels), chunk)
       drawn = {lvl: iter(_draw_level(rng, int(lvl), int(np.sum(levels == lvl)))) for lvl in self.levels}
-      candidates = (next(drawn[int(lvl)]) for lvl in levels)
-      out.extend(ex for ex in candidates if is_test_problem(ex.prompt) == want_test)
-    return out[:n]
+      return [next(drawn[int(lvl)]) for lvl in levels]
+
+    return sample_split(draw, n, split)
 
   def generate(self, seed: int, n: int, split: str = "train") -> list[Example]:
     """Deterministic in (seed, split): the same call always returns the same examples."""
