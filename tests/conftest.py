@@ -51,6 +51,7 @@ def pytest_configure(config):
 # for the first three), longest first.
 _LONGEST_FIRST = (
   "test_experiments.py",
+  "test_sm90_programs.py",  # two child processes compiling for sm_90a, ~6 min of one core: early, not last
   "test_sharding.py",
   "test_train.py",
   "test_vocab_mask.py",
