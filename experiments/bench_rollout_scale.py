@@ -1,6 +1,6 @@
 """Rollout at scale on one GPU: our BF16 engine against our FP4 engine, end to end, at Qwen3-30B-A3B's layer shapes.
 
-  python experiments/bench_rollout_scale.py [--layers 6] [--batches 64,256] [--prompt 512] [--new_tokens 1024]
+  python experiments/bench_rollout_scale.py [--layers 28] [--batches 256,64] [--prompt 512] [--new_tokens 1024]
                                             [--repeats 1] [--json PATH]
   python experiments/bench_rollout_scale.py --smoke --json /tmp/scale.json   # CPU: a tiny model, seconds
 
@@ -16,8 +16,9 @@ sequence decodes exactly --new_tokens tokens (EOS off, temperature 1) after a pr
 
 Per system and batch: the compile (apart), the compiled program's device memory (`memory_analysis()`: arguments,
 temporaries, peak), one untimed run, then --repeats timed runs (new tokens/s from the fastest), and the device's
-`peak_bytes_in_use` so far (cumulative over the process: bf16 runs first). Each engine is built from its own
-bf16 parameters, donated to weight sync, so the parameters and the engine are never both held.
+`peak_bytes_in_use` so far (cumulative over the process). Batches in the order given (256 first by default),
+both systems at each, so a run cut short has a ratio; each engine is built
+from its own bf16 parameters, donated to weight sync, so the parameters and the engine are never both held.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ import time
 if __package__ in (None, ""):  # run as a script: make the repository root importable
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-# As many as fit in BF16 at batch 256, prompt 512 + 1024 new, within JAX's default 75% of an 80 GB GPU: the
-# sm_90a compile (docs/gpu/sm90_programs.md) needs 30.2 GB at 2 layers and 46.5 GB at 4, so 62.7 GB at 6.
-LAYERS = 6
-BATCHES = (64, 256)
+# As many as fit in BF16 at batch 256, prompt 512 + 1024 new, within 60 GB (JAX's default 75% of an 80 GB GPU): the
+# sm_90a compile (docs/gpu/sm90_programs.md) needs 18.3 GB at 2 layers and 21.5 GB at 4, so 59.7 GB at 28.
+LAYERS = 28
+BATCHES = (256, 64)  # the paper's batch first
 PROMPT, NEW_TOKENS = 512, 1024
 SYSTEMS = ("bf16", "fp4")
 
@@ -106,15 +107,19 @@ def main(argv=None) -> dict:
 
   init = jax.jit(lambda key: model.init_params(config, key, jnp.bfloat16))
   rng = np.random.default_rng(0)
+  systems = {}  # system -> (rollout config, expert layout, jitted weight sync)
   for system in args.systems.split(","):
     rc = rollout_config(system)
     layout = rollout.expert_layout(rc, config)
     sync = jax.jit(functools.partial(rollout.weight_sync, quant=rc.quant, expert_layout=layout), donate_argnums=0)
-    engine = sync(init(jax.random.key(0)))
-    for batch in [int(b) for b in args.batches.split(",")]:
+    systems[system] = rc, layout, sync
+  # batch by batch, both systems at each (a run cut short still has a ratio); one engine held at a time
+  for batch in [int(b) for b in args.batches.split(",")]:
+    prompts = jnp.asarray(rng.integers(3, config.vocab_size, (batch, args.prompt)), jnp.int32)
+    for system, (rc, layout, sync) in systems.items():
+      engine = sync(init(jax.random.key(0)))
       row = dict(system=system, batch=batch, expert_layout=layout)
       report["rows"].append(row)
-      prompts = jnp.asarray(rng.integers(3, config.vocab_size, (batch, args.prompt)), jnp.int32)
       fn = functools.partial(
         rollout.generate, model_config=config, rollout_config=rc, sampling=sampling(args.new_tokens)
       )
@@ -138,7 +143,7 @@ def main(argv=None) -> dict:
       print(f"{system} batch {batch}: {row['new_tokens_per_s']:.0f} new tokens/s, compile {row['compile_s']} s, "
             f"compiled peak {row['compiled_memory']['peak'] / 2**30:.2f} GiB ({layout})", flush=True)  # fmt: skip
       save()
-    del engine
+      del engine
   speed = {(r["system"], r["batch"]): r["new_tokens_per_s"] for r in report["rows"]}
   report["fp4_over_bf16"] = {
     str(b): round(speed["fp4", b] / speed["bf16", b], 3) for s, b in speed if s == "fp4" and ("bf16", b) in speed

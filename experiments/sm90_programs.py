@@ -28,6 +28,7 @@ import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -78,9 +79,19 @@ def compile_generate(model_config, rollout_config, sampling, batch: int, prompt:
   tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32)
   key = jax.eval_shape(lambda: jax.random.key(0))
   fn = functools.partial(rollout.generate, model_config=model_config, rollout_config=rollout_config, sampling=sampling)
-  _, figures = _compile(fn, engine, tokens, tokens, key)
-  kernel = {"fragments": "Mosaic GPU", "codes": "Triton", "values": "none"}[layout] if quant else "-"
-  return dict(expert_layout=layout, fp4_kernel=kernel, **figures)
+  compiled, figures = _compile(fn, engine, tokens, tokens, key)
+  return dict(expert_layout=layout, expert_kernel=_expert_kernel(compiled.as_text()), **figures)
+
+
+def _expert_kernel(hlo: str) -> str:
+  """The routed experts' kernel, read from the compiled program: the Mosaic GPU FP4 kernel, the Triton FP4 or
+  bf16 one (`pallas_kernels.grouped_bf16_matmul`: the BF16 engine's), or none of them (XLA's own matmuls)."""
+  # the kernels' own names (source paths in the metadata name grouped_fp4_matmul.py for the bf16 kernel too)
+  for pattern, kernel in (("grouped_bf16_matmul", "Triton bf16"), ("mosaic_gpu", "Mosaic GPU"),
+                          (r"grouped_fp4_matmul_(?:nv|mx)fp4", "Triton")):  # fmt: skip
+    if re.search(pattern, hlo):
+      return kernel
+  return "none"
 
 
 def compile_train_step(run: config_lib.RunConfig, batch: int, seq: int) -> dict:
@@ -146,7 +157,7 @@ def markdown(rows: list[dict], command: str) -> str:
     f"held to {GPU_BYTES / 1e9:.0f} GB (an H100). A row with `fitted` is a + b * layers through the two compiled "
     "depths before it. tests/test_sm90_programs.py compiles the same programs and checks these bounds.",
     "",
-    "| shape | program | system | layers | batch | tokens | FP4 kernel | argument | output | alias | temp | peak | "
+    "| shape | program | system | layers | batch | tokens | expert kernel | argument | output | alias | temp | peak | "
     "compile s |",
     "|---|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
   ]
@@ -155,7 +166,7 @@ def markdown(rows: list[dict], command: str) -> str:
     compile_s = f"fitted {r['fitted_from']}" if r.get("fitted_from") else f"{r['compile_s']}"
     lines.append(
       f"| {r['shape']} | {r['program']} | {r['system']} | {r['layers']} | {r['batch']} | {tokens} | "
-      f"{r.get('fp4_kernel', '-')} | {gb(r['argument'])} | {gb(r['output'])} | {gb(r['alias'])} | {gb(r['temp'])} | "
+      f"{r.get('expert_kernel', '-')} | {gb(r['argument'])} | {gb(r['output'])} | {gb(r['alias'])} | {gb(r['temp'])} | "
       f"**{gb(r['peak'])}** | {compile_s}{' (triton gemm off)' if r.get('compiler_options') else ''} |"
     )
   return "\n".join(lines) + "\n"

@@ -37,7 +37,9 @@ from trace_jax import fp4
 Impl = Literal["auto", "pallas", "mosaic", "reference"]
 IMPLS = ("auto", "pallas", "mosaic", "reference")
 
-__all__ = ["grouped_packed_matmul", "packed_matmul", "select_impl", "is_hopper"]
+__all__ = ["grouped_bf16_matmul", "grouped_packed_matmul", "packed_matmul", "select_impl", "is_hopper"]
+
+grouped_bf16_matmul = grouped.grouped_bf16_matmul  # the engine's bf16 experts on GPU (trace_jax.rollout)
 
 
 @functools.cache

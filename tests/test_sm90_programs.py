@@ -57,14 +57,17 @@ def _fits(row: dict):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("system", ("bf16", "fp4"))
 def test_sm90_compile_engine_generate(programs, shape, system):
-  """`rollout.generate` (prefill + decode loop) of the BF16 and the FP4 engine, with the FP4 kernel Hopper picks:
-  the Mosaic GPU kernel where its shapes allow (rollout_scale), the Triton kernel otherwise (the tiny default)."""
+  """`rollout.generate` (prefill + decode loop) of the BF16 and the FP4 engine, with the expert kernel Hopper picks
+  (read from the compiled program): for FP4 the Mosaic GPU kernel where its shapes allow (rollout_scale), the
+  Triton kernel otherwise (the tiny default); for BF16 the Triton bf16 grouped kernel."""
   rows = [r for r in programs(shape) if r["program"] == "generate" and r["system"] == system]
   assert rows
   for row in rows:
     _fits(row)
   if system == "fp4":
-    assert {r["fp4_kernel"] for r in rows} == {"Mosaic GPU" if shape == "rollout_scale" else "Triton"}
+    assert {r["expert_kernel"] for r in rows} == {"Mosaic GPU" if shape == "rollout_scale" else "Triton"}
+  else:  # the same family's bf16 kernel, not XLA:GPU's ragged_dot (a dense matmul over every expert)
+    assert {r["expert_kernel"] for r in rows} == {"Triton bf16"}
   if shape == "rollout_scale":  # two depths compiled, one fitted to the benchmark's layer count
     from experiments import bench_rollout_scale
 

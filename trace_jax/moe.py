@@ -93,9 +93,9 @@ def grouped_dot_impl(impl: str = "auto", inference: bool = False) -> str:
 
   Not 'ragged' on GPU: XLA:GPU (jaxlib 0.10) rewrites `lax.ragged_dot` and its transposes into dense matmuls
   over a masked [G, M, K] copy of the rows, G times the memory and the flops. Compiled for sm_90a at
-  Qwen3-30B-A3B's layer shapes (docs/gpu/sm90_programs.md), the BF16 engine's `generate` needed 560 GB with it
-  (batch 256, prompt 512) and a 2-layer train step 489 GB (f32[128, 98240, 2048] buffers); 'tiled' needs
-  a [tiles, K, N] weight gather instead."""
+  Qwen3-30B-A3B's layer shapes (docs/gpu.md), a 2-layer train step needed 489 GB with it (f32[128, 98240, 2048]
+  buffers) and 65 GB tiled, which gathers [tiles, K, N] weights instead. (The engine's bf16 experts take the
+  Triton grouped kernel there: `rollout.grouped_matmul`.)"""
   if impl not in GROUPED_DOT_IMPLS:
     raise ValueError(f"grouped_dot: impl must be one of {GROUPED_DOT_IMPLS}, got {impl!r}.")
   if impl == "auto":

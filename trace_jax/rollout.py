@@ -155,14 +155,22 @@ def grouped_matmul(x: jax.Array, w: PackedExperts, group_sizes: jax.Array | None
   Packed FP4 weights (codes or fragments, see `expert_layout`) go through
   `pallas_kernels.grouped_packed_matmul`, the equal groups of the expert-parallel exchange included
   (never decoded to memory first): a Pallas kernel on GPU with impl='auto' (logged once), its jnp
-  reference elsewhere. Decoded weights go through `moe.grouped_dot` (`grouped_dot_impl`: capacity buckets on
-  CPU, row tiles on GPU, `lax.ragged_dot` on TPU).
+  reference elsewhere. Decoded bf16 weights go through the same family's Triton kernel on GPU
+  (`pallas_kernels.grouped_bf16_matmul`, the FP4 kernels' bf16 baseline: no weight gather, and not XLA:GPU's
+  `lax.ragged_dot`, a dense matmul over every expert); other decoded weights, and every weight off GPU, through
+  `moe.grouped_dot` (`grouped_dot_impl`: capacity buckets on CPU, row tiles on GPU, `lax.ragged_dot` on TPU).
   """
-  if isinstance(w, (fp4.QuantizedArray, pallas_kernels.mosaic.FragmentWeight)):
-    if group_sizes is None:
-      group_sizes = jnp.full((w.shape[0],), x.shape[0] // w.shape[0], jnp.int32)
+  packed = isinstance(w, (fp4.QuantizedArray, pallas_kernels.mosaic.FragmentWeight))
+  if not packed and (
+    w.dtype != jnp.bfloat16
+    or pallas_kernels.select_impl(impl, "grouped_bf16_matmul", mosaic_kernel=False) == "reference"
+  ):
+    return moe.grouped_dot(x.astype(w.dtype), w, group_sizes, transpose_w=True, inference=True).astype(x.dtype)
+  if group_sizes is None:
+    group_sizes = jnp.full((w.shape[0],), x.shape[0] // w.shape[0], jnp.int32)
+  if packed:
     return pallas_kernels.grouped_packed_matmul(x, group_sizes, w, impl=impl)
-  return moe.grouped_dot(x.astype(w.dtype), w, group_sizes, transpose_w=True, inference=True).astype(x.dtype)
+  return pallas_kernels.grouped_bf16_matmul(x, group_sizes, w, out_dtype=x.dtype)
 
 
 def _decoded(w: fp4.QuantizedArray, dtype) -> jax.Array:
@@ -420,9 +428,11 @@ def _attention(p, x, cache: KVCache, start, positions, slot_mask, st: EngineSett
   cos, sin = attention.rope_tables(positions, c.rotary_dim, c.rope_theta, dtype=dt)
   q, k = attention.apply_rope(q, cos, sin), attention.apply_rope(k, cos, sin)
   cache, keys, values = _cache_update(cache, k, v, start, st)  # keys, values [B, KV, T, D]
-  if isinstance(start, int):  # prefill at a static slot: the slots past start + S are masked, so not read
-    keys, values = keys[:, :, : start + s], values[:, :, : start + s]  # ([B, KV, G*S, T] f32 scores: 25.8 GB at
-  t = keys.shape[2]  # batch 256 x 32 heads, prompt 512 and T = 1536 per layer; 8.6 GB over the prompt's slots)
+  # Prefill (a static start): the slots past start + S are masked, so they are not read. The f32 scores
+  # [B, KV, G*S, T] of batch 256, 32 heads, prompt 512 are 8.6 GB a layer so, 25.8 GB over a cache of 1536.
+  if isinstance(start, int):
+    keys, values = keys[:, :, : start + s], values[:, :, : start + s]
+  t = keys.shape[2]
   groups = c.num_heads // c.num_kv_heads
   # queries [B, KV, groups * S, D]: batch axes first, as the matmuls want them
   qg = q.reshape(b, s, c.num_kv_heads, groups, c.head_dim).transpose(0, 2, 3, 1, 4)
