@@ -204,7 +204,8 @@ MOE_INPUT, MOE_HIDDEN, KEY, VALUE = "moe_input", "moe_hidden", "key", "value"
 GUIDED_TENSORS = (MOE_INPUT, MOE_HIDDEN, KEY, VALUE)
 
 MATMUL_IMPLS = ("auto", "pallas", "mosaic", "reference")
-TENSOR_SCALES = ("none", "batch_amax")
+TENSOR_SCALES = ("none", "batch_amax", "per_token")
+KV_FORMATS = ("fp4", "fp8_e4m3", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +225,17 @@ class QuantConfig:
   'none': E4M3 block scales only. 'batch_amax': amax / (448 * 6) of the tensor in the current
   batch, as engines compute it: the engine's per forward call (prefill, each decode step), shipped
   with the guidance of guided tensors so that the trainer rounds on the same grid; the trainer's
-  RTN tensors take the amax of its own batch.
+  RTN tensors take the amax of its own batch. 'per_token': amax / (448 * 6) of each activation row
+  (a token's row; for K / V a token's head), as W4A4 NVFP4 engines compute it: the same function of
+  the row in the engine and the trainer, so that it needs no batch and is bit-identical on the
+  same inputs (tests/test_quant_recipes.py); guided rows use the rollout's.
+  kv_format: what the KV cache stores where 'kv' is a target: 'fp4' (the run's `fmt`, guided like
+  any activation), 'fp8_e4m3' (E4M3 values with one FP32 scale amax / 448 per token and head, as
+  FP8 RL recipes run the cache; rounding to nearest in the engine and the trainer's fake-quant alike,
+  no guidance) or 'bf16' (the same as leaving 'kv' out of `targets`).
+  bf16_layers: layers left entirely in BF16 in the engine and the trainer (indices, negative from the
+  end): the NVFP4 RL recipes of NeMo-RL and verl keep the first 2 and last 4 MoE layers so,
+  `(0, 1, -4, -3, -2, -1)`. No guidance is recorded there.
   """
 
   fmt: str = "nvfp4"
@@ -234,8 +245,12 @@ class QuantConfig:
   clip_gradient: bool = False
   matmul_impl: str = "auto"
   tensor_scale: str = "none"
+  kv_format: str = "fp4"
+  bf16_layers: tuple[int, ...] = ()
 
   def __post_init__(self):
+    if self.kv_format not in KV_FORMATS:
+      _fail("quant.kv_format", f"unknown {self.kv_format!r}; expected one of {KV_FORMATS}.")
     try:
       fp4.get_format(self.fmt)
     except ValueError as e:
@@ -259,15 +274,34 @@ class QuantConfig:
     return self.tensor_scale != "none"
 
   def quantizes(self, target: str) -> bool:
+    """Whether `target` is FP4 (for 'kv': quantized at all, in `kv_format`)."""
+    if target == "kv" and self.kv_format == "bf16":
+      return False
     return target in self.targets
 
+  @property
+  def fp4_kv(self) -> bool:
+    """The KV cache is FP4 (packed codes the rollout can ship as guidance)."""
+    return self.quantizes("kv") and self.kv_format == "fp4"
+
+  def at_layer(self, layer: int, num_layers: int) -> QuantConfig | None:
+    """This config, or None where `bf16_layers` keeps the layer in BF16."""
+    return None if layer in self.bf16_layer_set(num_layers) else self
+
+  def bf16_layer_set(self, num_layers: int) -> frozenset[int]:
+    return frozenset(i % num_layers for i in self.bf16_layers)
+
   def check_dims(self, model: ModelConfig):
-    """Every quantized contraction axis must be a whole number of blocks."""
+    """Every quantized contraction axis must be a whole number of blocks; bf16_layers must exist."""
+    n = model.num_layers
+    bad = [i for i in self.bf16_layers if not -n <= i < n]
+    if bad:
+      _fail("quant.bf16_layers", f"{bad} name no layer of a {n}-layer model; use indices in [-{n}, {n - 1}].")
     block = self.format.block_size
     dims = {}
     if "experts" in self.targets:
       dims.update(hidden_size=model.hidden_size, moe_intermediate_size=model.moe_intermediate_size)
-    if "kv" in self.targets:
+    if self.fp4_kv:
       dims["head_dim"] = model.head_dim
     if "attention" in self.targets:
       dims.update(hidden_size=model.hidden_size, head_dim=model.head_dim)
@@ -396,6 +430,8 @@ def deeper_layers(num_layers: int, fraction: float) -> tuple[int, ...]:
 
 
 STALENESS_MODES = ("exact", "bounded")
+MIS_MODES = ("none", "token", "sequence")
+TRUST_REGIONS = ("none", "max", "geo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,6 +442,15 @@ class GRPOConfig:
   optimizer update each (as verl and Tunix do). With more than one update the PPO ratio moves
   away from 1 and the clip can act; the old log-probs of the ratio, the TIS weight and the
   mismatch metrics are the trainer's before the first update of the batch.
+
+  Sequence-level off-policy corrections (rl.py `off_policy_mask`), beside or instead of TIS, on the
+  rollout ratio r_t = pi_train(y_t) / pi_rollout(y_t) (the trainer's log-probs before the update):
+  mis: masked importance sampling: 'token' drops the tokens whose r_t leaves `mis_band` = (low,
+  high); 'sequence' drops the whole sequences whose ratio prod_t r_t leaves it.
+  trust_region: trust-region masking (arXiv 2512.23075) drops a whole sequence whose 'max' token
+  divergence max_t k3_t (k3 = r - 1 - log r, the KL(pi_rollout || pi_train) estimate at the sampled
+  token) exceeds `trust_region_delta`, or whose 'geo' geometric-mean ratio |mean_t log r_t| does.
+  Dropped tokens leave the loss and its token count.
   """
 
   num_generations: int = 8
@@ -424,6 +469,10 @@ class GRPOConfig:
   staleness: str = "exact"  # 'exact': batch t by version max(0, t - d), reproducible; 'bounded': the newest
   guidance_max_staleness: int = -1  # guidance older than this many versions rounds to nearest; -1 = max_version_diff
   split_mismatch: bool = True  # async: one more forward per stale batch, at the rollout's version (train.RLStep.learn)
+  mis: str = "none"
+  mis_band: tuple[float, float] = (0.5, 2.0)
+  trust_region: str = "none"
+  trust_region_delta: float = 0.05
 
   def __post_init__(self):
     if self.num_generations < 2:
@@ -436,6 +485,14 @@ class GRPOConfig:
     _at_least(self, "rl.", ppo_epochs=(1, ""), minibatches=(1, ""))
     if self.staleness not in STALENESS_MODES:
       _fail("rl.staleness", f"unknown {self.staleness!r}; expected one of {STALENESS_MODES}.")
+    if self.mis not in MIS_MODES:
+      _fail("rl.mis", f"unknown {self.mis!r}; expected one of {MIS_MODES}.")
+    if len(self.mis_band) != 2 or not 0 <= self.mis_band[0] < 1 < self.mis_band[1]:
+      _fail("rl.mis_band", f"must be (low, high) with 0 <= low < 1 < high, got {self.mis_band}.")
+    if self.trust_region not in TRUST_REGIONS:
+      _fail("rl.trust_region", f"unknown {self.trust_region!r}; expected one of {TRUST_REGIONS}.")
+    if self.trust_region_delta <= 0:
+      _fail("rl.trust_region_delta", f"must be > 0, got {self.trust_region_delta}.")
     if self.guidance_max_staleness < -1:
       _fail(
         "rl.guidance_max_staleness", f"must be >= 0, or -1 (= rl.max_version_diff), got {self.guidance_max_staleness}."
@@ -487,6 +544,8 @@ def resolve_mode(mode: str, model: ModelConfig, quant: QuantConfig, trace: Trace
     guided_layers = deeper_layers(model.num_layers, guided_fraction)
   elif mode == "trace_full":  # the ablation: full codes of every tensor in every layer
     guided_layers, form, tensors = tuple(range(model.num_layers)), "full", GUIDED_TENSORS
+  bf16 = quant.bf16_layer_set(model.num_layers)
+  guided_layers = tuple(i for i in guided_layers if i not in bf16)  # BF16 layers have no codes
   rollout = RolloutConfig(
     quant=quant, guided_layers=guided_layers, guided_tensors=tensors, guidance_form=form, record_codes=trace.diagnostics
   )

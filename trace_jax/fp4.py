@@ -198,6 +198,16 @@ def _div(a, b) -> jax.Array:
   return ab[0] / ab[1]
 
 
+def e4m3_round(x: jax.Array) -> jax.Array:
+  """FP8 E4M3 round trip of x [..., D] with one FP32 scale amax / 448 per row (the FP8 KV cache:
+  a token's head), in x's dtype: E4M3(x / scale) * scale, computed in float32; an all-zero row stays 0."""
+  xf = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+  scale = jnp.where(amax > 0, _div(amax, E4M3_MAX), 1.0)
+  q = jnp.clip(_div(xf, scale), -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+  return (q.astype(jnp.float32) * scale).astype(x.dtype)
+
+
 def tensor_scale_from_amax(amax: jax.Array) -> jax.Array:
   """Second-level NVFP4 scale `amax / (448 * 6)` (torchao's per_tensor_amax_to_scale)."""
   return _div(amax, E4M3_MAX * E2M1_MAX)

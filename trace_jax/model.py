@@ -205,7 +205,7 @@ def forward(
   x = params.embed[tokens].astype(jnp.float32)  # fp32 residual stream
   router_logits, topk_ids, layer_stats, dropped = [], [], [], []
   for i, layer in enumerate(params.layers):
-    g, layer_ctx = guidance[i] or {}, ctx.for_layer(i)
+    g, layer_ctx = guidance[i] or {}, ctx.for_layer(i, len(params.layers))
     h = attention.rms_norm(x, layer.input_norm, config.rms_norm_eps, offset=config.norm_offset).astype(dt)
     if isinstance(layer.attn, DeltaNetParams):
       attn_out, stats = linear_attention_block(layer.attn, h, mask, config, layer_ctx), {}

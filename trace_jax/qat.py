@@ -14,8 +14,26 @@ import math
 import jax
 import jax.numpy as jnp
 
+from trace_jax import fp4
 from trace_jax.config import QuantConfig
 from trace_jax.quantizer import Guidance, QuantStats, fake_quant
+
+
+def tensor_amax(x: jax.Array, quant: QuantConfig) -> jax.Array | None:
+  """The amax behind two-level NVFP4's FP32 tensor scale (`quant.tensor_scale`), as the engine and the
+  trainer both take it: None (single-level), the whole tensor's ('batch_amax': a scalar) or each row's
+  ('per_token': [...], x's rows)."""
+  if quant.tensor_scale == "batch_amax":
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+  if quant.tensor_scale == "per_token":
+    return jnp.max(jnp.abs(x), axis=-1).astype(jnp.float32)
+  return None
+
+
+def fake_e4m3(x: jax.Array) -> jax.Array:
+  """FP8 E4M3 fake-quant of the FP8 KV cache (`quant.kv_format='fp8_e4m3'`): the engine's values,
+  with a straight-through gradient."""
+  return x + jax.lax.stop_gradient(fp4.e4m3_round(x) - x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +51,11 @@ class QatContext:
   guided_layers: tuple[int, ...] | None = None
   guided_tensors: tuple[str, ...] | None = None
 
-  def for_layer(self, layer: int) -> QatContext:
+  def for_layer(self, layer: int, num_layers: int) -> QatContext:
+    """The context of one layer: no fake-quant in a layer of `quant.bf16_layers`."""
     guided = self.guided and (self.guided_layers is None or layer in self.guided_layers)
-    return dataclasses.replace(self, guided=guided, guided_layers=None)
+    quant = None if self.quant is None else self.quant.at_layer(layer, num_layers)
+    return dataclasses.replace(self, quant=quant, guided=guided and quant is not None, guided_layers=None)
 
   def _on(self, target: str, kind: str) -> bool:
     return self.quant is not None and self.quant.quantizes(target) and getattr(self.quant, kind)
@@ -47,9 +67,9 @@ class QatContext:
     return fake_quant(w, self.quant.fmt, axis=axis, clip_gradient=self.quant.clip_gradient)[0]
 
   def _batch_amax(self, x: jax.Array) -> jax.Array | None:
-    """The tensor amax of two-level NVFP4 (quant.tensor_scale='batch_amax'): over this batch, as the
-    engine takes it over each of its own; None: single-level."""
-    return jnp.max(jnp.abs(x)).astype(jnp.float32) if self.quant.two_level else None
+    """The tensor amax of two-level NVFP4 (`tensor_amax`): 'batch_amax' over this batch, as the engine
+    takes it over each of its own; 'per_token' each row's; None: single-level."""
+    return tensor_amax(x, self.quant)
 
   def activation(self, x: jax.Array, target: str) -> jax.Array:
     """A4 RTN fake-quant along the last axis (unguided targets)."""
@@ -78,6 +98,8 @@ class QatContext:
     zeros = QuantStats(*(jnp.zeros(rows, jnp.int32) for _ in dataclasses.fields(QuantStats)))
     q = self.quant
     enabled = q is not None and q.quantizes(target) and (target == "kv" or q.activations)
+    if enabled and target == "kv" and not q.fp4_kv:  # the FP8 cache: rounded to nearest, no guidance
+      return fake_e4m3(x), zeros
     if guidance is None or q is None:
       if not enabled:
         return x, zeros
@@ -87,8 +109,11 @@ class QatContext:
     axes = Guidance(**{k: None if v is None or v.ndim == 0 else 0 for k, v in vars(g).items()})
     guided = self.guided and enabled and (self.guided_tensors is None or tensor in self.guided_tensors)
     amax = self._batch_amax(x)
-    one = lambda xr, gr: fake_quant(xr, q.fmt, gr, tensor_amax=amax, guided=guided, clip_gradient=q.clip_gradient)
-    values, stats = jax.vmap(one, in_axes=(0, axes))(x.reshape(n, x.shape[-1]), g)
+    if amax is not None and amax.ndim:  # per token: each row's
+      amax = amax.reshape(n)
+    one = lambda xr, gr, a: fake_quant(xr, q.fmt, gr, tensor_amax=a, guided=guided, clip_gradient=q.clip_gradient)
+    amax_axis = None if amax is None or not amax.ndim else 0
+    values, stats = jax.vmap(one, in_axes=(0, axes, amax_axis))(x.reshape(n, x.shape[-1]), g, amax)
     if found is not None:
       found = found.reshape(n).astype(bool)
       stats = jax.tree_util.tree_map(lambda a: jnp.where(found, a, 0), stats)

@@ -35,6 +35,34 @@ def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
   return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+def off_policy_mask(train_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array, cfg: GRPOConfig):
+  """The tokens [B, S] (float 0/1) that the sequence-level corrections keep (GRPOConfig: mis, trust_region),
+  and metrics. train_logp: the trainer's log-probs before the update; mask: response tokens."""
+  m = mask.astype(bool)
+  log_r = jnp.where(m, train_logp.astype(jnp.float32) - rollout_logp.astype(jnp.float32), 0.0)
+  keep = m
+  low, high = np.log(cfg.mis_band[0]) if cfg.mis_band[0] > 0 else -np.inf, np.log(cfg.mis_band[1])
+  outside = lambda lr: (lr < low) | (lr > high)
+  if cfg.mis == "token":
+    keep = keep & ~outside(log_r)
+  elif cfg.mis == "sequence":
+    keep = keep & ~outside(jnp.sum(log_r, axis=1, keepdims=True))
+  if cfg.trust_region != "none":
+    n = jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1)
+    if cfg.trust_region == "max":
+      divergence = jnp.max(jnp.where(m, jnp.expm1(log_r) - log_r, 0.0), axis=1, keepdims=True)  # k3
+    else:
+      divergence = jnp.abs(jnp.sum(log_r, axis=1, keepdims=True) / n)
+    keep = keep & (divergence <= cfg.trust_region_delta)
+  has_tokens = jnp.any(m, axis=1)
+  sequence_kept = jnp.any(keep, axis=1)
+  metrics = {
+    "correction/token_kept_frac": masked_mean(keep.astype(jnp.float32), m),
+    "correction/seq_kept_frac": masked_mean(sequence_kept.astype(jnp.float32), has_tokens),
+  }
+  return keep.astype(jnp.float32), metrics
+
+
 def grpo_loss(
   logp: jax.Array,
   old_logp: jax.Array,
@@ -52,6 +80,10 @@ def grpo_loss(
   Returns (loss, metrics).
   """
   adv = advantages[:, None]
+  correction = {}
+  if cfg.mis != "none" or cfg.trust_region != "none":
+    kept, correction = off_policy_mask(jax.lax.stop_gradient(old_logp), rollout_logp, mask, cfg)
+    mask = mask.astype(jnp.float32) * kept
   ratio = jnp.exp(logp - old_logp)
   high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
   clipped = jnp.clip(ratio, 1 - cfg.clip_eps, 1 + high)
@@ -63,6 +95,7 @@ def grpo_loss(
   metrics = {
     "loss/pg": loss,
     "loss/clip_frac": masked_mean(((ratio < 1 - cfg.clip_eps) | (ratio > 1 + high)).astype(jnp.float32), mask),
+    **correction,
   }
   if ref_logp is not None and cfg.kl_coef > 0:
     kl = k3(ref_logp, logp)

@@ -108,9 +108,9 @@ def weight_sync(
   if expert_layout not in EXPERT_LAYOUTS:
     raise ValueError(f"weight_sync: unknown expert_layout {expert_layout!r}; expected one of {EXPERT_LAYOUTS}.")
   cast = lambda t: jax.tree_util.tree_map(lambda a: a.astype(dtype), t)
-  rtn = qat.QatContext(quant)  # RTN fake-quant, for targets the engine keeps as bf16 values
+  num_layers = len(params.layers)
 
-  def pack_experts(w):  # [E, K, N] (trainer) -> [E, N, K] packed
+  def pack_experts(w, quant):  # [E, K, N] (trainer) -> [E, N, K] packed
     w = jnp.swapaxes(w, 1, 2)
     on = quant is not None and quant.quantizes("experts") and quant.weights
     return fp4.quantize(w, quant.fmt) if on else w.astype(dtype)
@@ -119,7 +119,9 @@ def weight_sync(
     return cast(MLPParams(*(rtn.weight(w, target) for w in (p.gate, p.up, p.down))))
 
   layers = []
-  for layer in params.layers:
+  for i, layer in enumerate(params.layers):
+    layer_quant = None if quant is None else quant.at_layer(i, num_layers)  # None: a BF16 layer
+    rtn = qat.QatContext(layer_quant)  # RTN fake-quant, for targets the engine keeps as bf16 values
     a = layer.attn
     if isinstance(a, DeltaNetParams):  # blocks along the contraction axis, as model.linear_attention_block
       axes = {"q": 0, "k": 0, "v": 0, "z": 0, "b": 0, "a": 0, "out": 1}
@@ -134,7 +136,7 @@ def weight_sync(
     if isinstance(layer.mlp, MoEParams):
       m = layer.mlp
       shared = None if m.shared is None else mlp(m.shared, "shared_expert")
-      expert_weights = (pack_experts(m.gate), pack_experts(m.up), pack_experts(m.down))
+      expert_weights = tuple(pack_experts(w, layer_quant) for w in (m.gate, m.up, m.down))
       shared_gate = None if m.shared_gate is None else cast(m.shared_gate)
       engine_mlp = EngineMoE(cast(m.router), *expert_weights, shared, shared_gate)
     else:
@@ -281,9 +283,11 @@ def init_cache(
 
 
 def _kv_caches(config: ModelConfig, batch: int, length: int, quant: QuantConfig | None, dtype, decoded: bool):
+  """One KVCache a layer: packed FP4 (+ decoded values unless not `decoded`) where the layer's KV is FP4,
+  else values only (BF16, or FP8 values rounded as they are written: `_cache_update`)."""
   dtype = carrier_dtype(dtype)
   values = jnp.zeros((batch, config.num_kv_heads, length, config.head_dim), dtype)
-  if quant is None or not quant.quantizes("kv"):
+  if quant is None or not quant.fp4_kv:
     return tuple(KVCache(None, None, values, values) for _ in range(config.num_layers))
   shape = (batch, length, config.num_kv_heads, config.head_dim)
   fmt = quant.format
@@ -293,8 +297,9 @@ def _kv_caches(config: ModelConfig, batch: int, length: int, quant: QuantConfig 
     jnp.zeros(shape[:-1], jnp.float32) if quant.two_level else None,  # each slot keeps its step's scale
     fmt,
   )
-  values = values if decoded else None
-  return tuple(KVCache(packed, packed, values, values) for _ in range(config.num_layers))
+  bf16 = quant.bf16_layer_set(config.num_layers)
+  fp4_cache = KVCache(packed, packed, values if decoded else None, values if decoded else None)
+  return tuple(KVCache(None, None, values, values) if i in bf16 else fp4_cache for i in range(config.num_layers))
 
 
 def _write(buffer, value, start):
@@ -320,8 +325,9 @@ def _quantize_online(x: jax.Array, quant: QuantConfig, values_dtype=None):
   """RTN of an activation or K/V as engines quantize online. Two-level NVFP4: the tensor scale is
   the amax of this call's batch (the prefill, or one decode step), kept once per row, so that
   rows quantized in different calls (the KV cache's slots, the recorded guidance) keep theirs.
+  Per-token: the amax of each row, kept with it.
   values_dtype given: returns (QuantizedArray, its values in that dtype)."""
-  amax = jnp.max(jnp.abs(x)).astype(jnp.float32) if quant.two_level else None
+  amax = qat.tensor_amax(x, quant)
   q, values = fp4.quantize_with_values(x, quant.fmt, tensor_amax=amax, dtype=values_dtype or jnp.float32)
   if quant.two_level:
     q = dataclasses.replace(q, tensor_scale=jnp.broadcast_to(q.tensor_scale, q.scales.shape[:-1]))
@@ -329,9 +335,11 @@ def _quantize_online(x: jax.Array, quant: QuantConfig, values_dtype=None):
 
 
 def _store(x: jax.Array, quant: QuantConfig | None):
-  """What the cache stores for new K or V [B, S, KV, D]: FP4 RTN, or x as it is."""
-  if quant is not None and quant.quantizes("kv"):
+  """What the cache stores for new K or V [B, S, KV, D]: FP4 RTN, FP8 E4M3 values, or x as it is."""
+  if quant is not None and quant.fp4_kv:
     return _quantize_online(x, quant)
+  if quant is not None and quant.quantizes("kv"):  # kv_format='fp8_e4m3'
+    return fp4.e4m3_round(x)
   return x
 
 
@@ -361,6 +369,8 @@ def _cache_update(cache: KVCache, k, v, start, st: EngineSettings):
     cache = dataclasses.replace(cache, k=_write(cache.k, k, start), v=_write(cache.v, v, start))
     if cache.k_values is None:  # decode the whole cache where attention reads it
       return cache, *(_carry(jnp.swapaxes(_load(c, st.dtype), 1, 2), carrier) for c in (cache.k, cache.v))
+  else:  # BF16 as it is, or FP8 E4M3 values
+    k, v = _store(k, st.quant), _store(v, st.quant)
   slot = lambda a, dtype: _carry(jnp.swapaxes(_load(a, st.dtype), 1, 2), dtype)  # the new slots' values, once
   write = lambda buffer, a: jax.lax.dynamic_update_slice_in_dim(buffer, slot(a, buffer.dtype), start, axis=2)
   cache = dataclasses.replace(cache, k_values=write(cache.k_values, k), v_values=write(cache.v_values, v))
@@ -395,8 +405,16 @@ class EngineSettings:
   def carrier(self):
     return carrier_dtype(self.dtype)
 
+  def at_layer(self, layer: int) -> EngineSettings:
+    """The settings of one layer: a layer of `quant.bf16_layers` runs as the BF16 engine's."""
+    if self.quant is None or self.quant.at_layer(layer, self.model.num_layers) is not None:
+      return self
+    bf16 = dataclasses.replace(self.rollout, quant=None, guided_layers=(), record_codes=False)
+    return dataclasses.replace(self, rollout=bf16)
+
   def records(self, layer: int) -> bool:
-    if self.quant is None or not self.quant.quantizes("experts") or not self.quant.activations:
+    quant = self.at_layer(layer).quant
+    if quant is None or not quant.quantizes("experts") or not quant.activations:
       return False
     return self.rollout.record_codes or layer in self.rollout.guided_layers
 
@@ -526,26 +544,27 @@ def _forward(params: EngineParams, tokens, caches, start, positions, slot_mask, 
   new_caches, topk, records = [], [], []
   norm = lambda a, w: attention.rms_norm(a, w, c.rms_norm_eps, offset=c.norm_offset)  # fp32 inside, dtype out
   for i, layer in enumerate(params.layers):
+    record, st_i = st.records(i), st.at_layer(i)
     h = norm(x, layer.input_norm)
     if isinstance(layer.attn, DeltaNetParams):  # Gated DeltaNet: prefill chunked, decode recurrent
       pads = jax.lax.dynamic_slice_in_dim(slot_mask, start, s, axis=1)
-      act = lambda a: _act(a, st.quant, "linear_attention")[0]
+      act = lambda a, quant=st_i.quant: _act(a, quant, "linear_attention")[0]
       attn_out, cache = deltanet.mix(layer.attn, h, c, mask=pads, state=caches[i], dtype=st.dtype, act=act)
       attn_out = attn_out.astype(st.dtype)
     else:
-      attn_out, cache = _attention(layer.attn, h, caches[i], start, positions, slot_mask, st)
+      attn_out, cache = _attention(layer.attn, h, caches[i], start, positions, slot_mask, st_i)
     new_caches.append(cache)
     x = x + attn_out
     h = norm(x, layer.post_attn_norm)
     if isinstance(layer.mlp, EngineMoE):
-      out, ids, rec = _moe(layer.mlp, h.reshape(b * s, -1), st, st.records(i))
+      out, ids, rec = _moe(layer.mlp, h.reshape(b * s, -1), st_i, record)
       topk.append(ids.reshape(b, s, -1))
       records.append(
         {name: jax.tree_util.tree_map(lambda a: a.reshape(b, s, *a.shape[1:]), q) for name, q in rec.items()}
       )
       x = x + out.reshape(b, s, -1)
     else:
-      x = x + _mlp(layer.mlp, h, st.quant, "dense_mlp")
+      x = x + _mlp(layer.mlp, h, st_i.quant, "dense_mlp")
       topk.append(None)
       records.append({})
   last = norm(x[:, -1], params.final_norm)
@@ -624,10 +643,10 @@ def _record_buffers(st: EngineSettings, batch: int, length: int):
 
 def _finish_guidance(st: EngineSettings, buffers, caches):
   """Per-layer guidance in the configured form, and full codes when diagnostics are on."""
-  quant, guidance, codes = st.quant, [], []
+  guidance, codes = [], []
   for i in range(st.model.num_layers):
     tensors = dict(buffers[i])
-    kv = isinstance(caches[i], KVCache) and quant is not None and quant.quantizes("kv")
+    kv = isinstance(caches[i], KVCache) and caches[i].k is not None  # an FP4 cache
     if kv and (st.rollout.record_codes or i in st.rollout.guided_layers):
       tensors.update({KEY: caches[i].k, VALUE: caches[i].v})
     guided = {n: q for n, q in tensors.items() if n in st.rollout.guided_tensors and i in st.rollout.guided_layers}
