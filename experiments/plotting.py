@@ -28,6 +28,8 @@ MODE_COLORS = {
   "fp4": "#d62728",
   "qat": "#ff7f0e",
   "qat_w4a16": "#9467bd",
+  "quads": "#9467bd",  # experiments/outcome.py's name of qat_w4a16
+  "qat+trm": "#8c564b",
   "trace": "#1f77b4",
   "trace_full": "#2ca02c",
 }

@@ -1,0 +1,306 @@
+"""The outcome experiment of issue 41: does TRACE keep BF16-level reward where QAT loses it?
+
+  python -m experiments.outcome                        # REGIME, 5 seeds x 7 modes x 300 steps
+  python -m experiments.outcome --seeds 0,1 &  python -m experiments.outcome --seeds 2,3,4 &   # two processes
+  python -m experiments.outcome --report               # tables and figures from the finished runs only
+  python -m experiments.outcome --smoke --root /tmp/outcome_smoke --out /tmp/outcome_smoke/out
+
+Every seed has its own SFT warm start (sft.seed = the seed), shared between the modes of that seed
+(the SFT cache under ROOT/sft_cache). Modes (MODES): bf16, fp4 (BF16 trainer, TIS), qat (RTN W4A4
+QAT), qat + the sequence-level correction (QAT_CORRECTION: rl.mis / rl.trust_region), trace,
+trace_full, and quads (the trainer side of QUADS: weight-only QAT, mode qat_w4a16; its rollout-side
+compensation is not public, SPEC section 7). Runs resume run by run: a finished run (summary.json of
+all its steps under the same config) is read back; ROOT keeps only each run's JSON and JSONL in git
+(ROOT/.gitignore), so a later session continues where this one stopped.
+
+Written under OUT (docs/results/outcome): table.md, table.json and curves.png. table.json holds
+"regime" (the config overrides), "ptq_cost" (the BF16 engine's greedy accuracy minus the FP4 engine's
+on the SFT policies, a fraction, mean over seeds), and per mode "seeds", "steps", "late_reward",
+"final_acc_fp4", "final_acc_bf16" and "late_abs_dlogp" (per-seed lists), "dlogp_by_position",
+"agreement_by_layer" and "routing_by_layer"; "comparison" gives trace - qat (and trace - bf16) late
+reward, paired by seed: mean, 95% t-interval, and whether it separates from 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+
+from configs import long_horizon
+from experiments import plotting, sweep
+
+# The regime (experiments/regime.py, docs/results/regime/table.md): its overrides of configs/long_horizon.py.
+REGIME = {
+  "data.sum_terms": 22,
+  "data.term_digits": 1,
+  "reward.partial_credit": True,
+  "sft.steps": 400,
+  "eval_every": 100,
+}
+QAT_CORRECTION = {"rl.trust_region": "max", "rl.trust_region_delta": 0.05}
+MODES = {
+  "bf16": {"mode": "bf16"},
+  "fp4": {"mode": "fp4"},
+  "qat": {"mode": "qat"},
+  "qat+trm": {"mode": "qat", **QAT_CORRECTION},
+  "trace": {"mode": "trace"},
+  "trace_full": {"mode": "trace_full"},
+  "quads": {"mode": "qat_w4a16"},
+}
+SEEDS, STEPS = (0, 1, 2, 3, 4), 300
+METRICS = (
+  "last:reward/mean",
+  "final/accuracy_fp4_engine",
+  "final/accuracy_bf16_engine",
+  "last:mismatch/logp_diff_mean",
+  "last:agreement/deep",
+  "last:routing_agreement",
+)
+SMOKE = {
+  "model.num_layers": 2,
+  "data.sum_terms": 4,
+  "sft.steps": 10,
+  "steps": 2,
+  "batch_prompts": 2,
+  "rl.num_generations": 2,
+  "eval_prompts": 4,
+  "eval_every": 0,
+  "checkpoint_every": 2,
+  "data.num_train": 100,
+  "data.num_test": 10,
+}
+GITIGNORE = (
+  "# only each run's JSON / JSONL are kept in git (experiments/outcome.py)\n*\n!*/\n!*.json\n!*.jsonl\n!.gitignore\n"
+)
+
+
+def base_config(regime=REGIME, smoke: bool = False):
+  terms, digits = regime.get("data.sum_terms", 13), regime.get("data.term_digits", 2)
+  if smoke:
+    terms = SMOKE["data.sum_terms"]
+  base = long_horizon.get_config(f"bf16,terms={terms},digits={digits}")  # the lengths that fit the task
+  rest = {k: v for k, v in regime.items() if k not in ("data.sum_terms", "data.term_digits")}
+  base = sweep.configure(base, {**rest, **({k: v for k, v in SMOKE.items() if k != "data.sum_terms"} if smoke else {})})
+  base.steps = base.steps if smoke else STEPS
+  return base
+
+
+def run_all(base, root: str, seeds, modes) -> list[dict]:
+  base = sweep.configure(base, {"sft.cache_dir": os.path.join(root, "sft_cache")})
+  base.sft.seed = -1  # each seed its own warm start
+  os.makedirs(root, exist_ok=True)
+  with open(os.path.join(root, ".gitignore"), "w") as f:
+    f.write(GITIGNORE)
+  for seed in seeds:  # seed by seed: every finished seed has all its modes, for the paired comparisons
+    for name in modes:
+      sweep.sweep(base, [MODES[name]], root=root, seeds=[seed], metrics=METRICS)
+  return finished_rows(root, modes)
+
+
+def finished_rows(root: str, modes) -> list[dict]:
+  """The rows of the runs finished so far (read back, never run)."""
+  rows = []
+  for name in modes:
+    mode_dir = os.path.join(root, sweep.run_name(MODES[name]))
+    workdirs = sorted(
+      (os.path.join(mode_dir, d) for d in os.listdir(mode_dir) if d.startswith("seed"))
+      if os.path.isdir(mode_dir)
+      else [],
+      key=lambda w: int(w.rsplit("seed", 1)[1]),
+    )
+    results = []
+    for w in workdirs:
+      try:
+        results.append((w, sweep.run(None, w)))
+      except FileNotFoundError:
+        continue
+    if not results:
+      continue
+    row = {
+      "name": name,
+      "workdirs": [w for w, _ in results],
+      "seeds": [int(w.rsplit("seed", 1)[1]) for w, _ in results],
+    }
+    for m in METRICS:
+      row[f"{m}:values"] = [sweep.extract(r, m) for _, r in results]
+    row["steps"] = [int(r["summary"].get("steps", 0)) for _, r in results]
+    rows.append(row)
+  return rows
+
+
+def t_interval(diffs) -> tuple[float, float, float]:
+  """(mean, low, high) of a 95% t-interval of the mean of `diffs` (NaN for fewer than 2)."""
+  from scipy import stats  # noqa: PLC0415
+
+  d = np.asarray(diffs, np.float64)
+  if d.size < 2:
+    return float(d.mean()) if d.size else float("nan"), float("nan"), float("nan")
+  half = stats.t.ppf(0.975, d.size - 1) * d.std(ddof=1) / np.sqrt(d.size)
+  return float(d.mean()), float(d.mean() - half), float(d.mean() + half)
+
+
+def paired(rows, a: str, b: str, key="last:reward/mean") -> dict:
+  """a - b of `key`, paired by seed (the seeds both finished)."""
+  by = {r["name"]: dict(zip(r["seeds"], r[f"{key}:values"])) for r in rows}
+  if a not in by or b not in by:
+    return {}
+  seeds = sorted(set(by[a]) & set(by[b]))
+  mean, low, high = t_interval([by[a][s] - by[b][s] for s in seeds])
+  separated = bool(np.isfinite(low) and (low > 0 or high < 0))
+  return {"seeds": seeds, "mean": mean, "ci95": [low, high], "separated": separated}
+
+
+def sft_ptq_cost(root: str, base, seeds) -> dict:
+  """BF16 engine minus FP4 engine greedy accuracy of each seed's SFT policy (PTQ of the warm start),
+  measured once per seed and kept in ROOT/sft_ptq.json."""
+  path = os.path.join(root, "sft_ptq.json")
+  saved = json.load(open(path)) if os.path.exists(path) else {}
+  todo = [s for s in seeds if str(s) not in saved]
+  if todo:
+    import jax  # noqa: PLC0415
+
+    from trace_jax import cluster, job, train, trainer  # noqa: PLC0415
+    from trace_jax.config import RunConfig  # noqa: PLC0415
+
+    for seed in todo:
+      cfg = sweep.configure(base, {"sft.cache_dir": os.path.join(root, "sft_cache")})
+      cfg.seed = seed
+      run = RunConfig.from_config(cfg)
+      tokenizer, train_source, test_source = train.load_data(run.data, run.sampling.max_new_tokens)
+      run = run.with_tokenizer(tokenizer)
+      topology = cluster.Topology.single_device()
+      init_key = jax.random.split(jax.random.key(run.sft.seed_for(run.job.seed)), 3)[0]
+      optimizer = trainer.make_optimizer(run.optim, run.job.steps)
+      params = trainer.init_state(run.model, optimizer, init_key, topology.trainer).params
+      params = train.sft_warm_start(params, run, tokenizer, train_source, cache=job.sft_cache_path(cfg))
+      eval_key = jax.random.split(jax.random.key(run.job.seed), 3)[2]
+      acc = {
+        name: train.evaluate(params, run, quant, tokenizer, test_source, eval_key)
+        for name, quant in (("bf16", None), ("fp4", run.quant))
+      }
+      saved[str(seed)] = acc
+      with open(path, "w") as f:
+        json.dump(saved, f, indent=1)
+  return {s: saved[str(s)] for s in seeds if str(s) in saved}
+
+
+def report(rows: list[dict], out: str, regime: dict, ptq: dict) -> dict:
+  os.makedirs(out, exist_ok=True)
+  costs = [v["bf16"] - v["fp4"] for v in ptq.values()]
+  table = {
+    "regime": regime,
+    "ptq_cost": float(np.mean(costs)) if costs else None,
+    "ptq_cost_per_seed": {str(s): v["bf16"] - v["fp4"] for s, v in ptq.items()},
+    "sft_accuracy_bf16_engine": {str(s): v["bf16"] for s, v in ptq.items()},
+    "modes": {},
+  }
+  for r in rows:
+    table["modes"][r["name"]] = {
+      "seeds": r["seeds"],
+      "steps": r["steps"],
+      "late_reward": r["last:reward/mean:values"],
+      "final_acc_fp4": r["final/accuracy_fp4_engine:values"],
+      "final_acc_bf16": r["final/accuracy_bf16_engine:values"],
+      "late_abs_dlogp": r["last:mismatch/logp_diff_mean:values"],
+      "dlogp_by_position": {str(k): v for k, v in plotting.late_by_position(r["workdirs"]).items()},
+      "agreement_by_layer": plotting.late_per_layer(r["workdirs"], "agreement/"),
+      "routing_by_layer": plotting.late_per_layer(r["workdirs"], "routing_agreement/"),
+    }
+  table["comparison"] = {
+    "trace - qat": paired(rows, "trace", "qat"),
+    "trace - bf16": paired(rows, "trace", "bf16"),
+    "qat - bf16": paired(rows, "qat", "bf16"),
+    "trace final FP4 acc. - PTQ of bf16": paired(rows, "trace", "bf16", "final/accuracy_fp4_engine"),
+  }
+  clean = lambda o: (
+    {k: clean(v) for k, v in o.items()}
+    if isinstance(o, dict)
+    else [clean(v) for v in o]
+    if isinstance(o, list)
+    else (None if isinstance(o, float) and not np.isfinite(o) else o)
+  )
+  with open(os.path.join(out, "table.json"), "w") as f:
+    json.dump(clean(table), f, indent=1)
+  with open(os.path.join(out, "table.md"), "w") as f:
+    f.write(markdown(table) + "\n")
+  if rows:
+    figure(rows, out)
+  return table
+
+
+def figure(rows: list[dict], out: str) -> str:
+  """curves.png: reward with seed bands (min..max), |dlogp| by response position, codeword and routing
+  agreement per layer."""
+  plt = plotting.plt
+  fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+  plotting.curves(axes[0, 0], rows, "reward/mean", label="name", window=10, title="reward (moving avg 10)")
+  plotting.mismatch_by_position(axes[0, 1], rows, "name", logy=True, title="late |logp_train - logp_rollout|")
+  plotting.layer_profile(axes[1, 0], rows, label="name", prefix="agreement/", title="late codeword agreement")
+  plotting.layer_profile(axes[1, 1], rows, label="name", prefix="routing_agreement/", title="late routing agreement")
+  axes[0, 0].legend(fontsize=8)
+  fig.suptitle("issue 41 outcome: seed mean, shaded min..max over seeds; late = last 20% of steps")
+  return plotting._save(fig, out, "curves.png")
+
+
+def _ms(values) -> str:
+  v = np.asarray([x for x in values if x is not None and np.isfinite(x)], np.float64)
+  if not v.size:
+    return "-"
+  return f"{v.mean():.3f} ± {v.std(ddof=1):.3f}" if v.size > 1 else f"{v.mean():.3f}"
+
+
+def markdown(table: dict) -> str:
+  cost = "-" if table["ptq_cost"] is None else f"{table['ptq_cost']:.3f}"
+  lines = [
+    "# The outcome (issue 41)",
+    "",
+    f"Regime: `{json.dumps(table['regime'])}` over configs/long_horizon.py. FP4 PTQ cost of the SFT policies "
+    f"(BF16 minus FP4 engine, greedy): {cost}.",
+    "Command: `python -m experiments.outcome` (mean ± sample std over seeds).",
+    "",
+    "| mode | seeds | steps | late reward | final acc. FP4 engine | final acc. BF16 engine | late \\|dlogp\\| |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for name, m in table["modes"].items():
+    lines.append(
+      f"| {name} | {len(m['seeds'])} | {min(m['steps'], default=0)} | {_ms(m['late_reward'])} | "
+      f"{_ms(m['final_acc_fp4'])} | {_ms(m['final_acc_bf16'])} | {_ms(m['late_abs_dlogp'])} |"
+    )
+  lines += ["", "| paired by seed | seeds | mean | 95% CI | separated |", "|---|---|---|---|---|"]
+  for name, c in table["comparison"].items():
+    if c:
+      low, high = c["ci95"]
+      ci = "-" if low is None or not np.isfinite(low) else f"[{low:+.3f}, {high:+.3f}]"
+      lines.append(f"| {name} | {len(c['seeds'])} | {c['mean']:+.3f} | {ci} | {'yes' if c['separated'] else 'no'} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--root", default="docs/results/outcome/runs")
+  p.add_argument("--out", default="docs/results/outcome")
+  p.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+  p.add_argument("--modes", default=",".join(MODES))
+  p.add_argument("--report", action="store_true", help="only tables and figures from the finished runs")
+  p.add_argument("--smoke", action="store_true", help="2 layers, 4 terms, 2 RL steps, one seed: the plumbing")
+  args = p.parse_args(argv)
+  seeds = [0] if args.smoke else [int(s) for s in args.seeds.split(",")]
+  modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+  unknown = sorted(set(modes) - set(MODES))
+  if unknown:
+    raise SystemExit(f"--modes: unknown {unknown}; expected some of {list(MODES)}.")
+  base = base_config(REGIME, args.smoke)
+  if not args.report:
+    run_all(base, args.root, seeds, modes)
+  done_seeds = sorted({s for r in finished_rows(args.root, modes) for s in r["seeds"]})
+  ptq = sft_ptq_cost(args.root, base, done_seeds) if not args.report else sft_ptq_cost(args.root, base, [])
+  table = report(finished_rows(args.root, modes), args.out, REGIME, ptq)
+  print(markdown(table))
+  return table
+
+
+if __name__ == "__main__":
+  main()
