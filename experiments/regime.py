@@ -43,11 +43,11 @@ HORIZONS = {"sum1x22": dict(terms=22, digits=1), "sum2x13": dict(terms=13, digit
 SCOPES = {
   "bf16": None,
   "experts+kv": QuantConfig(),
-  "experts+kv, per_token": QuantConfig(tensor_scale="per_token"),
-  "experts+kv, batch_amax": QuantConfig(tensor_scale="batch_amax"),
+  "experts+kv (per_token)": QuantConfig(tensor_scale="per_token"),
+  "experts+kv (batch_amax)": QuantConfig(tensor_scale="batch_amax"),
   "experts+fp8 kv": QuantConfig(kv_format="fp8_e4m3"),
   "experts": QuantConfig(kv_format="bf16"),
-  "experts, boundary bf16": QuantConfig(kv_format="bf16", bf16_layers=(0, -1)),
+  "experts (boundary bf16)": QuantConfig(kv_format="bf16", bf16_layers=(0, -1)),
   "kv only": QuantConfig(targets=("kv",)),
 }
 RL_TIMED_STEPS = 3
@@ -144,7 +144,8 @@ def pick(records: list[dict]) -> dict:
 
   def miss(r):
     a = max(0.03 - r["ptq_cost"], r["ptq_cost"] - 0.20, 0.0)
-    bf16 = next(x for x in records if (x["width"], x["horizon"], x["scope"]) == (r["width"], r["horizon"], "bf16"))
+    row = lambda x: (x["width"], x["horizon"], x.get("sft_steps"))
+    bf16 = next(x for x in records if row(x) == row(r) and x["scope"] == "bf16")
     start = bf16["partial"]
     b = max(0.25 - start, start - 0.75, 0.0)
     d = max(64 - r["response_tokens"], 0) / 64

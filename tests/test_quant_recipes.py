@@ -111,9 +111,11 @@ def test_per_token_engine_and_trainer_fake_quant_are_bit_identical():
   for quant in (PER_TOKEN, QuantConfig(tensor_scale="none"), QuantConfig(tensor_scale="batch_amax")):
     ctx = qat.QatContext(quant)
     engine_x = jax.jit(lambda v, q=quant: rollout._act(v, q, "experts")[0])(x)
-    np.testing.assert_array_equal(np.asarray(engine_x), np.asarray(jax.jit(lambda v: ctx.activation(v, "experts"))(x)))
+    np.testing.assert_array_equal(
+      np.asarray(engine_x), np.asarray(jax.jit(lambda v, c=ctx: c.activation(v, "experts"))(x))
+    )
     engine_kv = fp4.dequantize(jax.jit(lambda v, q=quant: rollout._store(v, q))(kv), jnp.float32).astype(jnp.bfloat16)
-    trainer_kv = jax.jit(lambda v: ctx.guided_activation(v, "kv", None, KEY)[0])(kv)
+    trainer_kv = jax.jit(lambda v, c=ctx: c.guided_activation(v, "kv", None, KEY)[0])(kv)
     np.testing.assert_array_equal(np.asarray(engine_kv), np.asarray(trainer_kv))
   # per-token scales keep the small rows: the batch amax flushes them towards the E4M3 floor
   err = lambda q: float(jnp.mean(jnp.abs(rollout._act(x, q, "experts")[0] - x) / jnp.abs(x).max(-1, keepdims=True)))

@@ -45,8 +45,8 @@ and the run goes on):
                 512, 1024 new tokens: tokens/s, the compiled programs' memory, peak device memory (--smoke: tiny).
   grpo_step     experiments/bench_grpo_step.py --json --modes bf16,qat,trace --tunix auto
                 (--smoke: --smoke --tunix skip --modes bf16).
-  outcome       experiments/outcome.py --json (--smoke), BUDGET_S in its environment: the outcome issue's GPU-scale
-                protocol, as many modes and steps as fit; "skipped" (with the reason) while the script is absent.
+  outcome       experiments/outcome.py --gpu --json, BUDGET_S in its environment: the outcome issue's GPU-scale
+                protocol (GPU_REGIME), the modes in GPU_MODE_ORDER as fit (--smoke: --smoke --modes bf16,trace).
   kernel_tests  tests/test_fp4_mosaic.py and tests/test_pallas_kernels.py with TRACE_PALLAS_INTERPRET=0
                 (4 pytest-xdist processes; a test past 90 s, a kernel that hangs, ends its process and the
                 others go on) on a GPU: the Pallas kernels compiled through Triton (and the inline-PTX decode)
@@ -483,7 +483,10 @@ def stage_outcome(limit_s, logs, smoke):
   environment (BUDGET_S: this stage's limit less 30 s, for as many modes and steps as fit); skipped while the
   script does not exist."""
   budget = int(max(limit_s - 30, 10))
-  return _bench_stage("outcome", "experiments/outcome.py", ["--smoke"] if smoke else [], limit_s, logs, BUDGET_S=budget)
+  root = logs / "outcome"
+  args = ["--root", str(root / "runs"), "--out", str(root)]
+  args += ["--smoke", "--modes", "bf16,trace"] if smoke else ["--gpu"]
+  return _bench_stage("outcome", "experiments/outcome.py", args, limit_s, logs, BUDGET_S=budget)
 
 
 def stage_grpo_step(limit_s, logs, smoke):
