@@ -303,3 +303,52 @@ def test_bad_correction_and_recipe_fields_name_themselves():
     QuantConfig(kv_format="fp6")
   with pytest.raises(ConfigError, match="quant.tensor_scale"):
     QuantConfig(fmt="mxfp4", tensor_scale="per_token")
+
+
+# --- the FP4 KV cache's attention against torchao + torch ------------------------------------------
+
+
+def test_fp4_kv_attention_is_torchaos_nvfp4_then_torch_attention(params):
+  """The engine's attention over an FP4 KV cache (an fp32 engine, prefill) equals an independent one: Q / K / V
+  projected, QK-normed and rotated (HF's rotate-half RoPE) in torch, K and V through torchao's NVFP4 (blocks of
+  16 along head_dim, per token and head, after RoPE), then causal GQA softmax attention in torch."""
+  import torch
+  from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+
+  quant = QuantConfig(targets=("kv",))
+  st = rollout.EngineSettings(CFG, RolloutConfig(quant=quant, compute_dtype="float32"))
+  p = rollout.weight_sync(params, quant, jnp.float32).layers[0].attn
+  b, s, d = 2, 7, CFG.head_dim
+  x = jax.random.normal(jax.random.key(7), (b, s, CFG.hidden_size), jnp.float32)
+  positions, slot_mask = jnp.broadcast_to(jnp.arange(s), (b, s)), jnp.ones((b, s), jnp.int32)
+
+  def engine(q):
+    settings = dataclasses.replace(st, rollout=dataclasses.replace(st.rollout, quant=q))
+    cache = rollout.init_cache(CFG, b, s, q, jnp.float32)[0]
+    return np.asarray(jax.jit(lambda x: rollout._attention(p, x, cache, 0, positions, slot_mask, settings)[0])(x))
+
+  t = lambda a: torch.from_numpy(np.array(a, np.float32))
+  xt = t(x)
+  q, k, v = (torch.einsum("bsh,hnd->bsnd", xt, t(w)) for w in (p.q, p.k, p.v))
+  norm = lambda a, w: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + CFG.rms_norm_eps) * t(w)
+  q, k = norm(q, p.q_norm), norm(k, p.k_norm)
+  inv = 1.0 / (CFG.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+  ang = torch.arange(s, dtype=torch.float32)[:, None] * inv
+  cos, sin = torch.cat([ang, ang], -1).cos()[None, :, None], torch.cat([ang, ang], -1).sin()[None, :, None]
+  rope = lambda a: a * cos + torch.cat([-a[..., d // 2 :], a[..., : d // 2]], -1) * sin
+  q, k = rope(q), rope(k)
+
+  def attend(k, v):
+    g = CFG.num_heads // CFG.num_kv_heads
+    kk, vv = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
+    scores = torch.einsum("bqnd,bknd->bnqk", q, kk) * d**-0.5
+    scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    out = torch.einsum("bnqk,bknd->bqnd", scores.softmax(-1), vv)
+    return torch.einsum("bsnd,ndh->bsh", out, t(p.o)).numpy()
+
+  nvfp4 = lambda a: NVFP4Tensor.to_nvfp4(a.reshape(-1, d).contiguous(), 16).dequantize(torch.float32).reshape(a.shape)
+  want, want_bf16_kv = attend(nvfp4(k), nvfp4(v)), attend(k, v)
+  got = engine(quant)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(engine(None), want_bf16_kv, rtol=1e-5, atol=1e-6)
+  assert np.abs(got - want_bf16_kv).max() > 100 * np.abs(got - want).max()  # FP4 K / V change the output
