@@ -49,14 +49,14 @@ REGIME = {
 }
 # Trust-region masking (arXiv 2512.23075) on the largest token divergence; chosen a priori, not tuned here.
 QAT_CORRECTION = {"rl.trust_region": "max", "rl.trust_region_delta": 0.1}
-MODES = {
+MODES = {  # in the order a seed runs them: the main comparison (bf16, qat, trace) first
   "bf16": {"mode": "bf16"},
-  "fp4": {"mode": "fp4"},
   "qat": {"mode": "qat"},
-  "qat+trm": {"mode": "qat", **QAT_CORRECTION},
   "trace": {"mode": "trace"},
-  "trace_full": {"mode": "trace_full"},
+  "qat+trm": {"mode": "qat", **QAT_CORRECTION},
+  "fp4": {"mode": "fp4"},
   "quads": {"mode": "qat_w4a16"},
+  "trace_full": {"mode": "trace_full"},
 }
 SEEDS, STEPS = (0, 1, 2, 3, 4), 300
 # The same protocol at GPU scale (--gpu): 8 layers of 16 experts at hidden 512 and 132-token responses (44 terms),
