@@ -163,8 +163,10 @@ def write_table(records: list[dict], out: str) -> None:
     "# Regime search (issue 41)",
     "",
     "One SFT policy a row (seed 0), greedy on held-out problems; accuracy / mean partial score per engine",
-    "scope; PTQ cost = BF16 engine accuracy - this scope's. SFT and RL times on this machine (2 CPU cores).",
-    "Command: `python -m experiments.regime --out docs/results/regime`.",
+    "scope; PTQ cost = BF16 engine accuracy - this scope's. SFT and RL times on this machine (2 CPU cores), with",
+    "other jobs sharing the cores for some rows: a budget guide, not a speed comparison between rows.",
+    "Each row: `python -m experiments.regime --out docs/results/regime --sft_steps N` (all widths), or with",
+    "`--widths W` for the rows of one width; rows already in the table are read back, not rerun.",
     "",
     "| width | horizon | resp. tokens | SFT steps | scope | accuracy | partial | PTQ cost | SFT s | RL s/step bf16 | trace |",
     "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -176,7 +178,11 @@ def write_table(records: list[dict], out: str) -> None:
       f"{r['rl_step_s_bf16']:.2f} | {r['rl_step_s_trace']:.2f} |"
     )
   if best:
-    lines += ["", f"Picked: width {best['width']}, {best['horizon']}, scope '{best['scope']}' (see `pick`)."]
+    lines += [
+      "",
+      f"Picked: width {best['width']}, {best['horizon']}, {best['sft_steps']} SFT steps, scope '{best['scope']}' "
+      "(`pick`: conditions (a) PTQ cost 3-20 points, (b) SFT start 25-75%, (d) >= 64 response tokens).",
+    ]
   with open(os.path.join(out, "table.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
 
