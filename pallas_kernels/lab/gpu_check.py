@@ -46,7 +46,7 @@ and the run goes on):
   grpo_step     experiments/bench_grpo_step.py --json --modes bf16,qat,trace --tunix auto
                 (--smoke: --smoke --tunix skip --modes bf16).
   outcome       experiments/outcome.py --gpu --json, BUDGET_S in its environment: the outcome issue's GPU-scale
-                protocol (GPU_REGIME), the modes in GPU_MODE_ORDER as fit (--smoke: --smoke --modes bf16,trace).
+                protocol (GPU_REGIME), the modes in GPU_MODE_ORDER as fit (--smoke: --smoke --modes bf16).
   kernel_tests  tests/test_fp4_mosaic.py and tests/test_pallas_kernels.py with TRACE_PALLAS_INTERPRET=0
                 (4 pytest-xdist processes; a test past 90 s, a kernel that hangs, ends its process and the
                 others go on) on a GPU: the Pallas kernels compiled through Triton (and the inline-PTX decode)
@@ -485,7 +485,7 @@ def stage_outcome(limit_s, logs, smoke):
   budget = int(max(limit_s - 30, 10))
   root = logs / "outcome"
   args = ["--root", str(root / "runs"), "--out", str(root)]
-  args += ["--smoke", "--modes", "bf16,trace"] if smoke else ["--gpu"]
+  args += ["--smoke", "--modes", "bf16"] if smoke else ["--gpu"]
   return _bench_stage("outcome", "experiments/outcome.py", args, limit_s, logs, BUDGET_S=budget)
 
 
