@@ -326,7 +326,7 @@ def main(argv=None) -> dict:
   p.add_argument("--out", default="docs/results/outcome")
   p.add_argument("--seeds", default=",".join(map(str, SEEDS)))
   p.add_argument("--modes", default=",".join(MODES))
-  p.add_argument("--report", action="store_true", help="only tables and figures from the finished runs")
+  p.add_argument("--report", action="store_true", help="no runs: tables and figures from the finished ones")
   p.add_argument("--smoke", action="store_true", help="2 layers, 4 terms, 2 RL steps, one seed: the plumbing")
   p.add_argument("--gpu", action="store_true", help=f"GPU_REGIME, {GPU_STEPS} steps a run, modes in GPU_MODE_ORDER")
   p.add_argument("--json", default="", help="also write the table here (pallas_kernels/lab/gpu_check.py)")
@@ -345,7 +345,7 @@ def main(argv=None) -> dict:
   if not args.report:
     run_all(base, args.root, seeds, modes, deadline)
   done_seeds = sorted({s for r in finished_rows(args.root, modes) for s in r["seeds"]})
-  ptq = sft_ptq_cost(args.root, base, done_seeds if not args.report and deadline is None else [])
+  ptq = sft_ptq_cost(args.root, base, done_seeds if deadline is None else [])  # from the SFT cache, kept once
   table = report(finished_rows(args.root, modes), args.out, regime, ptq)
   print(markdown(table))
   if args.json:
