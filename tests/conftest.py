@@ -54,6 +54,7 @@ _LONGEST_FIRST = (
   "test_sm90_programs.py",  # two child processes compiling for sm_90a, ~6 min of one core: early, not last
   "test_sharding.py",
   "test_train.py",
+  "test_outcome.py",  # the regime and outcome smoke runs, ~4.5 min of one core
   "test_vocab_mask.py",
   "test_rollout.py",
   "test_gpu_compile.py",
