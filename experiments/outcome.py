@@ -185,13 +185,14 @@ def t_interval(diffs) -> tuple[float, float, float]:
 
 
 def paired(rows, a: str, b: str, key="last:reward/mean") -> dict:
-  """a - b of `key`, paired by seed (the seeds both finished)."""
+  """a - b of `key`, paired by seed (the seeds both finished); `separated` when the 95% t-interval excludes 0,
+  called from 3 seeds on (two equal differences would give an interval of width 0)."""
   by = {r["name"]: dict(zip(r["seeds"], r[f"{key}:values"])) for r in rows}
   if a not in by or b not in by:
     return {}
   seeds = sorted(set(by[a]) & set(by[b]))
   mean, low, high = t_interval([by[a][s] - by[b][s] for s in seeds])
-  separated = bool(np.isfinite(low) and (low > 0 or high < 0))
+  separated = bool(len(seeds) >= 3 and np.isfinite(low) and (low > 0 or high < 0))  # 2 seeds: no call
   return {"seeds": seeds, "mean": mean, "ci95": [low, high], "separated": separated}
 
 

@@ -24,6 +24,8 @@ def test_paired_difference_and_its_interval():
   rows[1]["last:reward/mean:values"] = [0.5, 0.9, 0.55]  # differences 0.4, -0.1, 0.3: the CI holds 0
   assert not outcome.paired(rows, "trace", "qat")["separated"]
   assert outcome.paired(rows, "trace", "bf16") == {}
+  rows[1]["last:reward/mean:values"] = [0.5, 0.4]  # two seeds with the same difference: no call
+  assert not outcome.paired(rows, "trace", "qat")["separated"]
 
 
 def test_pick_applies_the_conditions():
