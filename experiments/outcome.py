@@ -205,7 +205,7 @@ def sft_ptq_cost(root: str, base, seeds) -> dict:
   if todo:
     import jax  # noqa: PLC0415
 
-    from trace_jax import cluster, job, train, trainer  # noqa: PLC0415
+    from trace_jax import train  # noqa: PLC0415
     from trace_jax.config import RunConfig  # noqa: PLC0415
 
     for seed in todo:
@@ -214,11 +214,7 @@ def sft_ptq_cost(root: str, base, seeds) -> dict:
       run = RunConfig.from_config(cfg)
       tokenizer, train_source, test_source = train.load_data(run.data, run.sampling.max_new_tokens)
       run = run.with_tokenizer(tokenizer)
-      topology = cluster.Topology.single_device()
-      init_key = jax.random.split(jax.random.key(run.sft.seed_for(run.job.seed)), 3)[0]
-      optimizer = trainer.make_optimizer(run.optim, run.job.steps)
-      params = trainer.init_state(run.model, optimizer, init_key, topology.trainer).params
-      params = train.sft_warm_start(params, run, tokenizer, train_source, cache=job.sft_cache_path(cfg))
+      params = train.starting_policy(cfg, run, tokenizer, train_source)
       eval_key = jax.random.split(jax.random.key(run.job.seed), 3)[2]
       acc = {
         name: train.evaluate(params, run, quant, tokenizer, test_source, eval_key)

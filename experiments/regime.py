@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from configs import long_horizon
-from trace_jax import cluster, data, job, train, trainer
+from trace_jax import cluster, data, train, trainer
 from trace_jax.config import QuantConfig, RunConfig
 
 # width -> model overrides: the expert FFN and head_dim scale with the hidden size
@@ -105,12 +105,8 @@ def measure_row(
   run = RunConfig.from_config(cfg)
   tokenizer, train_source, test_source = train.load_data(run.data, run.sampling.max_new_tokens)
   run = run.with_tokenizer(tokenizer)
-  topology = cluster.Topology.single_device()
-  init_key = jax.random.split(jax.random.key(run.sft.seed_for(run.job.seed)), 3)[0]
-  optimizer = trainer.make_optimizer(run.optim, run.job.steps)
-  params = trainer.init_state(run.model, optimizer, init_key, topology.trainer).params
   t0 = time.perf_counter()
-  params = train.sft_warm_start(params, run, tokenizer, train_source, cache=job.sft_cache_path(cfg))
+  params = train.starting_policy(cfg, run, tokenizer, train_source)
   sft_s = time.perf_counter() - t0
   rl_s = {mode: rl_step_seconds(cfg, params, tokenizer, train_source, mode) for mode in ("bf16", "trace")}
   key = jax.random.key(0)

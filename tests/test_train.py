@@ -688,3 +688,21 @@ def test_main_selects_a_model_preset(data_dir, tmp_path):
   proc = run_main(["--config=configs/default.py:bf16,model=qwen3_235b", f"--workdir={workdir}"])
   _, stderr = proc.communicate(timeout=300)
   assert proc.returncode != 0 and "unknown preset 'qwen3_235b'" in stderr, stderr[-2000:]
+
+
+def test_the_starting_policy_is_the_one_the_run_trains_from(data_dir, tmp_path, no_eval):
+  """train.starting_policy (what experiments/outcome.py and regime.py evaluate as "the SFT policy") gives,
+  computed afresh, the very parameters that a run's own warm start wrote to its SFT cache."""
+  from trace_jax import job
+
+  cfg = tiny_config(data_dir, "bf16", steps=1, **{"sft.steps": 3, "sft.cache_dir": str(tmp_path / "cache")})
+  train.train_and_evaluate(cfg, str(tmp_path / "run"))
+  cached = job.sft_cache_path(cfg)
+  assert os.path.exists(cached)
+  run = RunConfig.from_config(cfg)
+  tokenizer, train_source, _ = train.load_data(run.data, run.sampling.max_new_tokens)
+  run = run.with_tokenizer(tokenizer)
+  afresh = sweep.configure(cfg, {"sft.cache_dir": str(tmp_path / "elsewhere")})
+  params = train.starting_policy(afresh, run, tokenizer, train_source)
+  assert_same_state(params, checkpoint.load_tree(cached, params))
+  assert os.path.exists(job.sft_cache_path(afresh))

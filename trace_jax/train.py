@@ -131,6 +131,22 @@ def sft_warm_start(params, run: RunConfig, tokenizer, source, *, cache: str = ""
   return state.params
 
 
+def starting_policy(cfg: ml_collections.ConfigDict, run: RunConfig, tokenizer, source, mesh=None):
+  """The parameters RL starts from, on `mesh` (default: one device): init_from's checkpoint, or a fresh init
+  seeded by the warm start's seed (sft.seed, else the run's seed), then the SFT warm start (cached at
+  job.sft_cache_path(cfg), so the modes of one seed share it). Every entry point that needs "the SFT policy of
+  this config" calls this one function, so that they all get the same parameters."""
+  mesh = mesh or cluster.Topology.single_device().trainer
+  if run.job.init_from:
+    logging.info("Loading %s into the trainer's shardings.", run.job.init_from)
+    params = hf.load_sharded(run.job.init_from, mesh)[1]
+  else:
+    init_key = jax.random.split(jax.random.key(run.sft.seed_for(run.job.seed)), 3)[0]
+    optimizer = trainer.make_optimizer(run.optim, max(run.job.steps, 1))
+    params = trainer.init_state(run.model, optimizer, init_key, mesh).params
+  return sft_warm_start(params, run, tokenizer, source, cache=job.sft_cache_path(cfg), mesh=mesh)
+
+
 def engine_for(params, run: RunConfig, quant: QuantConfig | None, topology):
   """(engine params on the rollout mesh, the engine's config) of trainer `params`: a BF16 engine
   (quant=None) or an FP4 one, as evaluation uses them."""
@@ -400,7 +416,6 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
   job.check_workdir(cfg, workdir)
   job.write_json(os.path.join(workdir, "model.json"), dataclasses.asdict(run.model))  # export and evaluate read it
   _, rollout_key, eval_key = jax.random.split(jax.random.key(run.job.seed), 3)
-  init_key = jax.random.split(jax.random.key(run.sft.seed_for(run.job.seed)), 3)[0]  # the warm start's
 
   # The state: a checkpoint of this run, or the starting policy (a pretrained checkpoint or a fresh init, then
   # SFT), checkpointed as step 0. A resumed run never reads init_from again.
@@ -415,12 +430,7 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
   state, past = (restored.state, restored.past_params) if d else (restored, ())
   if start is None:
     logging.info("Starting a new run in %s (mode %s).", workdir, run.mode.name)
-    if run.job.init_from:
-      logging.info("Loading %s into the trainer's shardings.", run.job.init_from)
-      params = hf.load_sharded(run.job.init_from, topology.trainer)[1]
-    else:
-      params = trainer.init_state(run.model, optimizer, init_key, topology.trainer).params
-    params = sft_warm_start(params, run, tokenizer, train_source, cache=job.sft_cache_path(cfg), mesh=topology.trainer)
+    params = starting_policy(cfg, run, tokenizer, train_source, topology.trainer)
     state = trainer.fresh_state(params, optimizer, topology.trainer)
     if run.grpo.kl_coef > 0:  # before checkpoint 0, so that every resumable run has it
       checkpoint.save_tree(reference_path, state.params, force=True)
