@@ -427,7 +427,8 @@ def _act(x, quant: QuantConfig | None, target: str):
   """Online RTN activation quantization: (values in x's dtype, QuantizedArray or None)."""
   if quant is None or not quant.quantizes(target) or not quant.activations:
     return x, None
-  q, values = _quantize_online(x, quant, x.dtype)
+  with jax.named_scope("act_quant"):
+    q, values = _quantize_online(x, quant, x.dtype)
   return values, q
 
 
@@ -436,38 +437,50 @@ def _attention(p, x, cache: KVCache, start, positions, slot_mask, st: EngineSett
   (the whole cache where start is traced: decode)."""
   c, quant, dt = st.model, st.quant, st.dtype
   b, s, _ = x.shape
-  xa, _ = _act(x, quant, "attention")
-  q = jnp.einsum("bsh,hnd->bsnd", xa, p.q, preferred_element_type=jnp.float32).astype(dt)
-  k = jnp.einsum("bsh,hnd->bsnd", xa, p.k, preferred_element_type=jnp.float32).astype(dt)
-  v = jnp.einsum("bsh,hnd->bsnd", xa, p.v, preferred_element_type=jnp.float32).astype(dt)
-  if p.q_norm is not None:
-    norm = lambda a, w: attention.rms_norm(a, w, c.rms_norm_eps, offset=c.norm_offset)
-    q, k = norm(q, p.q_norm), norm(k, p.k_norm)
-  cos, sin = attention.rope_tables(positions, c.rotary_dim, c.rope_theta, dtype=dt)
-  q, k = attention.apply_rope(q, cos, sin), attention.apply_rope(k, cos, sin)
-  cache, keys, values = _cache_update(cache, k, v, start, st)  # keys, values [B, KV, T, D]
+  with jax.named_scope("qkv"):
+    xa, _ = _act(x, quant, "attention")
+    q = jnp.einsum("bsh,hnd->bsnd", xa, p.q, preferred_element_type=jnp.float32).astype(dt)
+    k = jnp.einsum("bsh,hnd->bsnd", xa, p.k, preferred_element_type=jnp.float32).astype(dt)
+    v = jnp.einsum("bsh,hnd->bsnd", xa, p.v, preferred_element_type=jnp.float32).astype(dt)
+    if p.q_norm is not None:
+      norm = lambda a, w: attention.rms_norm(a, w, c.rms_norm_eps, offset=c.norm_offset)
+      q, k = norm(q, p.q_norm), norm(k, p.k_norm)
+    cos, sin = attention.rope_tables(positions, c.rotary_dim, c.rope_theta, dtype=dt)
+    q, k = attention.apply_rope(q, cos, sin), attention.apply_rope(k, cos, sin)
+  with jax.named_scope("kv_cache"):
+    cache, keys, values = _cache_update(cache, k, v, start, st)  # keys, values [B, KV, T, D]
   # Prefill (a static start): the slots past start + S are masked, so they are not read. The f32 scores
   # [B, KV, G*S, T] of batch 256, 32 heads, prompt 512 are 8.6 GB a layer so, 25.8 GB over a cache of 1536.
   if isinstance(start, int):
     keys, values = keys[:, :, : start + s], values[:, :, : start + s]
+  return _attend(p, xa, q, keys, values, start, slot_mask, st), cache
+
+
+def _attend(p, xa, q, keys, values, start, slot_mask, st: EngineSettings):
+  """Queries [B, S, N, D] over the cache's keys and values [B, KV, T, D] (slots past a query's own masked),
+  then the output projection: [B, S, H]."""
+  c, quant, dt = st.model, st.quant, st.dtype
+  b, s = q.shape[:2]
   t = keys.shape[2]
   groups = c.num_heads // c.num_kv_heads
-  # queries [B, KV, groups * S, D]: batch axes first, as the matmuls want them
-  qg = q.reshape(b, s, c.num_kv_heads, groups, c.head_dim).transpose(0, 2, 3, 1, 4)
-  qg = _carry(qg.reshape(b, c.num_kv_heads, groups * s, c.head_dim), keys.dtype)
-  scores = jnp.einsum("bkqd,bktd->bkqt", qg, keys, preferred_element_type=jnp.float32) * (c.head_dim**-0.5)
-  query_slot = jnp.tile(start + jnp.arange(s), groups)  # [groups * S], group-major
-  allowed = (jnp.arange(t)[None, :] <= query_slot[:, None])[None] & slot_mask[:, None, :t].astype(bool)
-  scores = jnp.where(allowed[:, None], scores, attention.NEG_INF)
-  probs = _carry(jax.nn.softmax(scores, axis=-1).astype(dt), values.dtype)
-  out = jnp.einsum("bkqt,bktd->bkqd", probs, values, preferred_element_type=jnp.float32).astype(dt)
-  out = out.reshape(b, c.num_kv_heads, groups, s, c.head_dim).transpose(0, 3, 1, 2, 4)
-  out = out.reshape(b, s, c.num_heads, c.head_dim)
-  if p.gate is not None:  # gated attention (Qwen3.5)
-    gate = jnp.einsum("bsh,hnd->bsnd", xa, p.gate, preferred_element_type=jnp.float32).astype(dt)
-    out = out * jax.nn.sigmoid(gate)
-  out, _ = _act(out, quant, "attention")
-  return jnp.einsum("bsnd,ndh->bsh", out, p.o, preferred_element_type=jnp.float32).astype(dt), cache
+  with jax.named_scope("scores"):
+    # queries [B, KV, groups * S, D]: batch axes first, as the matmuls want them
+    qg = q.reshape(b, s, c.num_kv_heads, groups, c.head_dim).transpose(0, 2, 3, 1, 4)
+    qg = _carry(qg.reshape(b, c.num_kv_heads, groups * s, c.head_dim), keys.dtype)
+    scores = jnp.einsum("bkqd,bktd->bkqt", qg, keys, preferred_element_type=jnp.float32) * (c.head_dim**-0.5)
+    query_slot = jnp.tile(start + jnp.arange(s), groups)  # [groups * S], group-major
+    allowed = (jnp.arange(t)[None, :] <= query_slot[:, None])[None] & slot_mask[:, None, :t].astype(bool)
+    scores = jnp.where(allowed[:, None], scores, attention.NEG_INF)
+    probs = _carry(jax.nn.softmax(scores, axis=-1).astype(dt), values.dtype)
+    out = jnp.einsum("bkqt,bktd->bkqd", probs, values, preferred_element_type=jnp.float32).astype(dt)
+    out = out.reshape(b, c.num_kv_heads, groups, s, c.head_dim).transpose(0, 3, 1, 2, 4)
+    out = out.reshape(b, s, c.num_heads, c.head_dim)
+  with jax.named_scope("out"):
+    if p.gate is not None:  # gated attention (Qwen3.5)
+      gate = jnp.einsum("bsh,hnd->bsnd", xa, p.gate, preferred_element_type=jnp.float32).astype(dt)
+      out = out * jax.nn.sigmoid(gate)
+    out, _ = _act(out, quant, "attention")
+    return jnp.einsum("bsnd,ndh->bsh", out, p.o, preferred_element_type=jnp.float32).astype(dt)
 
 
 def _mlp(p: MLPParams, x, quant, target):
@@ -500,19 +513,24 @@ def _moe(p: EngineMoE, x, st: EngineSettings, record: bool):
   """x [N, H] -> (out [N, H], topk ids [N, k], {name: QuantizedArray rows} if record)."""
   c, quant, dt = st.model, st.quant, st.dtype
   n, k = x.shape[0], c.num_experts_per_tok
-  router_logits = _dot(x, p.router)  # engines keep router logits in the activation dtype
-  ids, weights = route(router_logits, c, None)
+  with jax.named_scope("router"):
+    router_logits = _dot(x, p.router)  # engines keep router logits in the activation dtype
+    ids, weights = route(router_logits, c, None)
   xq, q_in = _act(x, quant, "experts")
   hidden = None  # the hidden codes as [N * k] rows: slot j = the token's j-th expert
   if st.expert_parallel is None:
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    group_sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
-    y_sorted, q_hidden = _experts((p.gate, p.up, p.down), xq[order // k], group_sizes, st)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k))
-    y = y_sorted[inverse].reshape(n, k, -1)
-    if record:
-      hidden = jax.tree_util.tree_map(lambda a: a[inverse], q_hidden)
+    with jax.named_scope("dispatch"):
+      flat = ids.reshape(-1)
+      order = jnp.argsort(flat, stable=True)
+      group_sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
+      xs = xq[order // k]
+    with jax.named_scope("experts"):
+      y_sorted, q_hidden = _experts((p.gate, p.up, p.down), xs, group_sizes, st)
+    with jax.named_scope("combine"):
+      inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k))
+      y = y_sorted[inverse].reshape(n, k, -1)
+      if record:
+        hidden = jax.tree_util.tree_map(lambda a: a[inverse], q_hidden)
   else:  # experts where they live; an engine never drops a token: capacity for the worst case
     layout = st.expert_parallel
     n_ep = dict(layout.mesh.shape).get(layout.expert_axis, 1)
@@ -525,7 +543,8 @@ def _moe(p: EngineMoE, x, st: EngineSettings, record: bool):
     y, rows, _ = experts(layout, ffn, (p.gate, p.up, p.down), xq, ids, None)
     if record:
       hidden = fp4.QuantizedArray(rows["codes"], rows["scales"], None, quant.format)
-  out = jnp.sum(weights[..., None] * y.astype(jnp.float32), axis=1).astype(dt)
+  with jax.named_scope("combine"):
+    out = jnp.sum(weights[..., None] * y.astype(jnp.float32), axis=1).astype(dt)
   if p.shared is not None:
     gate_s = jax.nn.sigmoid(_dot(x, p.shared_gate).astype(jnp.float32))
     out = (out + gate_s * _mlp(p.shared, x, quant, "shared_expert")).astype(dt)
@@ -540,7 +559,8 @@ def _forward(params: EngineParams, tokens, caches, start, positions, slot_mask, 
   """Engine forward of tokens [B, S] at cache slots [start, start + S): logits of the last one."""
   b, s = tokens.shape
   c = st.model
-  x = params.embed[tokens]  # residual stream in the engine dtype (bf16)
+  with jax.named_scope("embed"):
+    x = params.embed[tokens]  # residual stream in the engine dtype (bf16)
   new_caches, topk, records = [], [], []
   norm = lambda a, w: attention.rms_norm(a, w, c.rms_norm_eps, offset=c.norm_offset)  # fp32 inside, dtype out
   for i, layer in enumerate(params.layers):
@@ -552,12 +572,14 @@ def _forward(params: EngineParams, tokens, caches, start, positions, slot_mask, 
       attn_out, cache = deltanet.mix(layer.attn, h, c, mask=pads, state=caches[i], dtype=st.dtype, act=act)
       attn_out = attn_out.astype(st.dtype)
     else:
-      attn_out, cache = _attention(layer.attn, h, caches[i], start, positions, slot_mask, st_i)
+      with jax.named_scope("attention"):
+        attn_out, cache = _attention(layer.attn, h, caches[i], start, positions, slot_mask, st_i)
     new_caches.append(cache)
     x = x + attn_out
     h = norm(x, layer.post_attn_norm)
     if isinstance(layer.mlp, EngineMoE):
-      out, ids, rec = _moe(layer.mlp, h.reshape(b * s, -1), st_i, record)
+      with jax.named_scope("moe"):
+        out, ids, rec = _moe(layer.mlp, h.reshape(b * s, -1), st_i, record)
       topk.append(ids.reshape(b, s, -1))
       records.append(
         {name: jax.tree_util.tree_map(lambda a: a.reshape(b, s, *a.shape[1:]), q) for name, q in rec.items()}
@@ -567,8 +589,9 @@ def _forward(params: EngineParams, tokens, caches, start, positions, slot_mask, 
       x = x + _mlp(layer.mlp, h, st_i.quant, "dense_mlp")
       topk.append(None)
       records.append({})
-  last = norm(x[:, -1], params.final_norm)
-  logits = jnp.dot(last, params.lm_head, preferred_element_type=jnp.float32)
+  with jax.named_scope("lm_head"):
+    last = norm(x[:, -1], params.final_norm)
+    logits = jnp.dot(last, params.lm_head, preferred_element_type=jnp.float32)
   return logits, tuple(new_caches), tuple(topk), tuple(records)
 
 

@@ -1,0 +1,61 @@
+"""experiments/profile_decode.py (issue 43): self times from nested profiler events, parts from HLO metadata,
+and the smoke run end to end (one engine)."""
+
+import json
+
+import pytest
+
+from experiments import profile_decode
+
+
+def test_self_time_removes_the_children_and_names_the_parent():
+  events = [
+    {"ph": "X", "pid": 1, "tid": 1, "name": "cond.1", "ts": 0, "dur": 10},
+    {"ph": "X", "pid": 1, "tid": 1, "name": "ynn_fusion.2", "ts": 1, "dur": 6},
+    {"ph": "X", "pid": 1, "tid": 1, "name": "convert.3", "ts": 7, "dur": 2},
+    {"ph": "X", "pid": 1, "tid": 1, "name": "sort.4", "ts": 12, "dur": 3},
+    {"ph": "X", "pid": 1, "tid": 2, "name": "sort.4", "ts": 0, "dur": 1},  # another thread: not a child
+    {"ph": "i", "pid": 1, "tid": 1, "name": "marker", "ts": 3},
+  ]
+  got = profile_decode._self_times(events)
+  assert got["cond.1"] == (2, None)
+  assert got["ynn_fusion.2"] == (6, "cond.1") and got["convert.3"] == (2, "cond.1")
+  assert got["sort.4"] == (4, None)
+
+
+def test_parts_come_from_the_most_specific_named_scope():
+  hlo = "\n".join(
+    [
+      '  %ynn_fusion.57 = f32[16,16,128]{2,1,0} fusion(%a, %b), kind=kCustom, calls=%c, '
+      'metadata={op_name="jit(f)/while/body/moe/experts/cond/branch_0_fun/dot_general"}',
+      '  ROOT %sort.3 = s32[128]{0} sort(%x), metadata={op_name="jit(f)/moe/dispatch/sort"}',
+      "  %wrapped_convert.88 = bf16[16,16,256]{2,1,0} fusion(%w), kind=kLoop, calls=%d",
+      '  %cond.127.clone.4 = (f32[128,128]{1,0}) conditional(%r, %s), metadata={op_name="jit(f)/moe/experts/cond"}',
+    ]
+  )
+  parts = profile_decode.hlo_parts(hlo)
+  assert parts["ynn_fusion.57"] == ("experts", "ynn_fusion")
+  assert parts["sort.3"] == ("dispatch", "sort")
+  assert parts["wrapped_convert.88"] == (None, "wrapped_convert")
+  assert parts["cond.127.clone.4"] == ("experts", "conditional")
+
+
+def test_useful_work_counts_fp4_bytes_below_bf16():
+  config = profile_decode.model_config()
+  bf16 = profile_decode.useful_work(config, 64, 80, False, False)
+  fp4 = profile_decode.useful_work(config, 64, 80, True, True)
+  assert bf16["flops"] == fp4["flops"] > 0
+  assert fp4["bytes"] < bf16["bytes"] and fp4["kv_bytes"] == pytest.approx(bf16["kv_bytes"] * 0.5625 / 2)
+
+
+@pytest.mark.slow
+def test_profile_smoke_attributes_the_step(tmp_path):
+  out = tmp_path / "profile.json"
+  result = profile_decode.main(["--smoke", "--engines", "fp4", "--json", str(out), "--md", str(tmp_path / "p.md")])
+  (row,) = result["engines"]
+  assert row["thunks_per_step"] > 0 and row["thunk_s"] > 0
+  assert sum(row["by_part_s"].values()) == pytest.approx(row["thunk_s"])
+  assert {"experts", "scores", "kv_cache", "act_quant"} <= set(row["by_part_s"])
+  assert row["by_part_s"].get("other", 0) < 0.25 * row["thunk_s"]  # the scopes cover the step
+  assert json.loads(out.read_text())["engines"][0]["engine"] == "fp4"
+  assert "| experts |" in (tmp_path / "p.md").read_text()
