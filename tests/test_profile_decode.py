@@ -26,7 +26,7 @@ def test_self_time_removes_the_children_and_names_the_parent():
 def test_parts_come_from_the_most_specific_named_scope():
   hlo = "\n".join(
     [
-      '  %ynn_fusion.57 = f32[16,16,128]{2,1,0} fusion(%a, %b), kind=kCustom, calls=%c, '
+      "  %ynn_fusion.57 = f32[16,16,128]{2,1,0} fusion(%a, %b), kind=kCustom, calls=%c, "
       'metadata={op_name="jit(f)/while/body/moe/experts/cond/branch_0_fun/dot_general"}',
       '  ROOT %sort.3 = s32[128]{0} sort(%x), metadata={op_name="jit(f)/moe/dispatch/sort"}',
       "  %wrapped_convert.88 = bf16[16,16,256]{2,1,0} fusion(%w), kind=kLoop, calls=%d",
