@@ -206,14 +206,11 @@ def sft_ptq_cost(root: str, base, seeds) -> dict:
     import jax  # noqa: PLC0415
 
     from trace_jax import train  # noqa: PLC0415
-    from trace_jax.config import RunConfig  # noqa: PLC0415
 
     for seed in todo:
       cfg = sweep.configure(base, {"sft.cache_dir": os.path.join(root, "sft_cache")})
       cfg.seed = seed
-      run = RunConfig.from_config(cfg)
-      tokenizer, train_source, test_source = train.load_data(run.data, run.sampling.max_new_tokens)
-      run = run.with_tokenizer(tokenizer)
+      run, tokenizer, train_source, test_source = train.run_data(train.run_config(cfg))
       params = train.starting_policy(cfg, run, tokenizer, train_source)
       eval_key = jax.random.split(jax.random.key(run.job.seed), 3)[2]
       acc = {

@@ -85,20 +85,23 @@ def model_config():
   )
 
 
-def useful_work(config, batch: int, cache: int, fp4_weights: bool, fp4_kv: bool) -> dict:
+def useful_work(config, batch: int, cache: int, fp4_weights: bool, fp4_kv: bool, block_size: int = 16) -> dict:
   """FLOPs of the matmuls one decode step needs (k experts per token, attention over `cache` slots) and the
-  bytes it must read: every weight once (the routed experts in FP4 with E4M3 block scales where fp4_weights),
-  the KV cache (FP4 + scales where fp4_kv), in bf16 otherwise."""
+  bytes it must read, ideally: every weight once (the routed experts in FP4 with one-byte block scales per
+  `block_size` where fp4_weights), the B embedding rows, the KV cache (FP4 + scales where fp4_kv), bf16
+  otherwise. On CPU the engine holds its experts decoded (bf16) and the cache's values in an fp32 carrier
+  (rollout.expert_layout, rollout.carrier_dtype), so it reads more than this."""
   c, b = config, batch
   h, d, kv, nh = c.hidden_size, c.head_dim, c.num_kv_heads, c.num_heads
   attn_w = h * d * (nh + 2 * kv) + nh * d * h
   expert_w = 3 * h * c.moe_intermediate_size
   flops_layer = 2 * b * (attn_w + h * c.num_experts + c.num_experts_per_tok * expert_w) + 2 * 2 * b * nh * cache * d
   flops = c.num_layers * flops_layer + 2 * b * h * c.vocab_size
-  w_bytes = lambda n, fp4: n * (0.5 + 1 / 16) if fp4 else 2 * n
+  fp4_bytes = 0.5 + 1 / block_size
+  w_bytes = lambda n, fp4: n * fp4_bytes if fp4 else 2 * n
   bytes_layer = w_bytes(attn_w + h * c.num_experts, False) + w_bytes(c.num_experts * expert_w, fp4_weights)
-  kv_bytes = c.num_layers * 2 * b * kv * cache * d * ((0.5 + 1 / 16) if fp4_kv else 2)
-  total_bytes = c.num_layers * bytes_layer + 2 * h * c.vocab_size * 2 + kv_bytes
+  kv_bytes = c.num_layers * 2 * b * kv * cache * d * (fp4_bytes if fp4_kv else 2)
+  total_bytes = c.num_layers * bytes_layer + 2 * (b * h + h * c.vocab_size) + kv_bytes  # embed rows, LM head
   return {"flops": float(flops), "bytes": float(total_bytes), "kv_bytes": float(kv_bytes)}
 
 
@@ -128,26 +131,30 @@ def machine_limits(smoke: bool = False) -> dict:
   return out
 
 
-def _self_times(events) -> dict[str, tuple[float, str | None]]:
-  """{thunk name: (total self time in us, parent thunk name)} from complete ('X') events: nested events on
-  one thread are a thunk's children (a conditional's branch); their time is not the parent's."""
+def _self_times(events, keep=lambda name: True, tol: float = 0.01) -> dict[str, tuple[float, str | None]]:
+  """{thunk name: (total self time in us, parent thunk name)} from complete ('X') events named by `keep` (the
+  module's HLO instructions; runtime events are left out, so their time stays with the thunk around them):
+  an event that starts and ends within another on the same thread is its child (a conditional's branch), and
+  its time is not the parent's. `tol` (us) absorbs the timestamps' rounding. Thunks on different threads are
+  summed, so the total can exceed the wall time where XLA runs thunks concurrently."""
   by_thread = collections.defaultdict(list)
   for e in events:
-    if e.get("ph") == "X" and "dur" in e:
+    if e.get("ph") == "X" and "dur" in e and keep(e.get("name")):
       by_thread[(e.get("pid"), e.get("tid"))].append(e)
   selfs, parents = collections.Counter(), {}
   for evs in by_thread.values():
     evs.sort(key=lambda e: (e["ts"], -e["dur"]))
     stack = []  # (end, name)
     for e in evs:
-      while stack and stack[-1][0] <= e["ts"]:
+      start, end = e["ts"], e["ts"] + e["dur"]
+      while stack and (stack[-1][0] <= start + tol or end > stack[-1][0] + tol):  # ended, or not enclosing
         stack.pop()
       name = e["name"]
       selfs[name] += e["dur"]
       if stack:
         selfs[stack[-1][1]] -= e["dur"]
         parents.setdefault(name, stack[-1][1])
-      stack.append((e["ts"] + e["dur"], name))
+      stack.append((end, name))
   return {n: (t, parents.get(n)) for n, t in selfs.items()}
 
 
@@ -164,7 +171,7 @@ def hlo_parts(hlo_text: str) -> dict[str, tuple[str, str]]:
     op_name = re.search(r'op_name="([^"]*)"', line)
     scopes = op_name.group(1).split("/") if op_name else []
     part = next((s for s in reversed(scopes) if s in PARTS), None)
-    kind = re.sub(r"[._]\d+$", "", re.sub(r"(\.\d+)+(\.clone(\.\d+)?)?$", "", name)) if opcode == "fusion" else opcode
+    kind = re.sub(r"([._](\d+|clone))+$", "", name) if opcode == "fusion" else opcode
     out[name] = (part, kind)
   return out
 
@@ -205,21 +212,23 @@ def profile_engine(name: str, config, batch: int, cache: int, steps: int) -> dic
   tokens = jax.random.randint(jax.random.key(1), (batch, 1), 0, config.vocab_size, jnp.int32)
   start = jnp.asarray(cache - 1, jnp.int32)
   compiled = step.lower(engine, tokens, caches, start).compile()
-  logits, caches = compiled(engine, tokens, caches, start)
-  logits.block_until_ready()
   wall = []
+  for i in range(steps + 1):  # timed outside the trace (the profiler slows each thunk); the first is a warm-up
+    t0 = time.perf_counter()
+    logits, caches = compiled(engine, tokens, caches, start)
+    logits.block_until_ready()
+    if i:
+      wall.append(time.perf_counter() - t0)
   with tempfile.TemporaryDirectory() as trace_dir:
     jax.profiler.start_trace(trace_dir)
     for _ in range(steps):
-      t0 = time.perf_counter()
       logits, caches = compiled(engine, tokens, caches, start)
       logits.block_until_ready()
-      wall.append(time.perf_counter() - t0)
     jax.profiler.stop_trace()
     (path,) = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     events = json.load(gzip.open(path))["traceEvents"]
   parts_of = hlo_parts(compiled.as_text())
-  thunks = {n: v for n, v in _self_times(events).items() if n in parts_of}
+  thunks = _self_times(events, keep=lambda n: n in parts_of)
 
   def part(n, seen=()):
     p = parts_of[n][0]
@@ -253,8 +262,8 @@ def markdown(result: dict) -> str:
     f"One decode step, batch {result['batch']}, a cache of {result['cache']} slots, {result['steps']} profiled "
     f"steps per engine (`{result['command']}`; host: {result['host']}).",
     "",
-    "| engine | step (median) | in thunks | thunks / step | useful GFLOP | MB to read | bound by peak bf16 / "
-    "bandwidth | step / bound |",
+    "| engine (expert layout) | step (median, untraced) | thunk self time (all threads) | thunks / step | "
+    "useful GFLOP | MB to read (ideal) | bound by peak bf16 / bandwidth | step / bound |",
     "|---|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in rows:
@@ -295,6 +304,8 @@ def main(argv=None) -> dict:
 
   import jax  # noqa: PLC0415
 
+  if jax.default_backend() != "cpu":
+    raise SystemExit(f"profile_decode profiles XLA:CPU's thunks; this process runs on {jax.default_backend()}.")
   config = model_config()
   limits = machine_limits(args.smoke)
   engines = []
@@ -302,7 +313,7 @@ def main(argv=None) -> dict:
     if name not in ("bf16", "fp4"):
       raise SystemExit(f"--engines: unknown engine {name!r}; use bf16 and/or fp4.")
     r = profile_engine(name, config, args.batch, args.cache, args.steps)
-    r["useful"] = useful_work(config, args.batch, args.cache, name == "fp4", name == "fp4")
+    r["useful"] = useful_work(config, args.batch, args.cache, name == "fp4", name == "fp4")  # ideal storage
     engines.append(r)
     print(f"{name}: step {r['step_s_median'] * 1e3:.2f} ms, {r['thunks_per_step']:.0f} thunks", flush=True)
   result = {

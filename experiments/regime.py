@@ -102,12 +102,10 @@ def measure_row(
   """The records of one grid row (one per scope of `scopes`; 'bf16' is always measured)."""
   cfg = row_config(width, horizon, sft_steps, eval_prompts, smoke)
   cfg.sft.cache_dir = os.path.join(out, "sft")
-  run = RunConfig.from_config(cfg)
-  tokenizer, train_source, test_source = train.load_data(run.data, run.sampling.max_new_tokens)
-  run = run.with_tokenizer(tokenizer)
+  run, tokenizer, train_source, test_source = train.run_data(train.run_config(cfg))
   t0 = time.perf_counter()
   params = train.starting_policy(cfg, run, tokenizer, train_source)
-  sft_s = time.perf_counter() - t0
+  sft_s = time.perf_counter() - t0  # the starting policy: the fresh init (a second or so) and the SFT
   rl_s = {mode: rl_step_seconds(cfg, params, tokenizer, train_source, mode) for mode in ("bf16", "trace")}
   key = jax.random.key(0)
   names = ["bf16", *(s for s in scopes if s != "bf16")]

@@ -16,11 +16,14 @@ def test_self_time_removes_the_children_and_names_the_parent():
     {"ph": "X", "pid": 1, "tid": 1, "name": "sort.4", "ts": 12, "dur": 3},
     {"ph": "X", "pid": 1, "tid": 2, "name": "sort.4", "ts": 0, "dur": 1},  # another thread: not a child
     {"ph": "i", "pid": 1, "tid": 1, "name": "marker", "ts": 3},
+    {"ph": "X", "pid": 1, "tid": 1, "name": "Runtime::Launch", "ts": 2, "dur": 1},  # not a thunk: left out
+    {"ph": "X", "pid": 1, "tid": 1, "name": "add.5", "ts": 14.999, "dur": 2},  # starts as sort.4 ends (rounding)
   ]
-  got = profile_decode._self_times(events)
+  got = profile_decode._self_times(events, keep=lambda n: not n.startswith("Runtime"))
   assert got["cond.1"] == (2, None)
   assert got["ynn_fusion.2"] == (6, "cond.1") and got["convert.3"] == (2, "cond.1")
-  assert got["sort.4"] == (4, None)
+  assert got["sort.4"] == (4, None) and got["add.5"] == (2, None)  # a sibling, not a child
+  assert "Runtime::Launch" not in got
 
 
 def test_parts_come_from_the_most_specific_named_scope():
@@ -46,6 +49,8 @@ def test_useful_work_counts_fp4_bytes_below_bf16():
   fp4 = profile_decode.useful_work(config, 64, 80, True, True)
   assert bf16["flops"] == fp4["flops"] > 0
   assert fp4["bytes"] < bf16["bytes"] and fp4["kv_bytes"] == pytest.approx(bf16["kv_bytes"] * 0.5625 / 2)
+  mx = profile_decode.useful_work(config, 64, 80, True, True, block_size=32)  # MXFP4: one scale per 32
+  assert mx["kv_bytes"] == pytest.approx(bf16["kv_bytes"] * (0.5 + 1 / 32) / 2)
 
 
 @pytest.mark.slow

@@ -45,6 +45,17 @@ from trace_jax.experience import measured_positions
 from trace_jax.metrics_writer import read_metrics
 
 
+def run_config(cfg: ml_collections.ConfigDict) -> RunConfig:
+  """The RunConfig of a run's ConfigDict, its model section read from init_from's config.json where it has one."""
+  return RunConfig.from_config(hf.with_pretrained_model(cfg))
+
+
+def run_data(run: RunConfig):
+  """(run with the task's tokenizer, tokenizer, train source, test source): the data every entry point reads."""
+  tokenizer, train_source, test_source = load_data(run.data, run.sampling.max_new_tokens, run.job.init_from)
+  return run.with_tokenizer(tokenizer), tokenizer, train_source, test_source
+
+
 def load_data(cfg: DataConfig, max_new_tokens: int | None = None, pretrained: str = ""):
   """(tokenizer, train source, test source) for the configured task (data.task).
 
@@ -135,7 +146,8 @@ def starting_policy(cfg: ml_collections.ConfigDict, run: RunConfig, tokenizer, s
   """The parameters RL starts from, on `mesh` (default: one device): init_from's checkpoint, or a fresh init
   seeded by the warm start's seed (sft.seed, else the run's seed), then the SFT warm start (cached at
   job.sft_cache_path(cfg), so the modes of one seed share it). Every entry point that needs "the SFT policy of
-  this config" calls this one function, so that they all get the same parameters."""
+  this config" calls this one function, with `run`, `tokenizer` and `source` from run_config and run_data,
+  so that they all get the same parameters."""
   mesh = mesh or cluster.Topology.single_device().trainer
   if run.job.init_from:
     logging.info("Loading %s into the trainer's shardings.", run.job.init_from)
@@ -402,7 +414,7 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
   Devices come from `cfg.mesh` (trainer and rollout meshes, MoE dispatch) and, for several
   hosts, `cfg.distributed` or the JAX_* environment (sharding.initialize_distributed).
   """
-  run = RunConfig.from_config(hf.with_pretrained_model(cfg))  # the model section from init_from's config.json
+  run = run_config(cfg)  # the model section from init_from's config.json
   sharding.initialize_distributed(**dataclasses.asdict(run.distributed))
   if run.grpo.max_version_diff and jax.process_count() > 1:
     raise ConfigError(
@@ -410,8 +422,7 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
       "each host's producer thread and trainer would launch collectives in their own order. Use "
       "rl.max_version_diff=0 across hosts, or one process with several devices."
     )
-  tokenizer, train_source, test_source = load_data(run.data, run.sampling.max_new_tokens, run.job.init_from)
-  run = run.with_tokenizer(tokenizer)
+  run, tokenizer, train_source, test_source = run_data(run)
   topology = cluster.Topology.from_config(run.mesh)
   job.check_workdir(cfg, workdir)
   job.write_json(os.path.join(workdir, "model.json"), dataclasses.asdict(run.model))  # export and evaluate read it
