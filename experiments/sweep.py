@@ -205,19 +205,22 @@ DEFAULT_METRICS = (
 
 
 def extract(result: dict, metric: str) -> float:
-  """A summary value, or the late-run mean of a per-step metric.
+  """A summary value, or the late-run (`last:<key>`) or early-run (`first:<key>`) mean of a per-step metric:
+  the last or the first 20% of the steps.
 
   `agreement/deep` / `agreement/shallow`: codeword agreement averaged over tensors in the
   deeper / shallower half of the layers (`config.deeper_layers(n, 0.5)`, TRACE's default guided
   set); `routing_agreement`: averaged over layers.
   """
-  if not metric.startswith("last:"):
+  if not metric.startswith(("last:", "first:")):
     return float(result["summary"].get(metric, float("nan")))
-  key, rows = metric[5:], result["metrics"]
+  where, key = metric.split(":", 1)
+  rows = result["metrics"]
   if not rows:
     return float("nan")
   num_layers = result.get("config", {}).get("model", {}).get("num_layers")
-  rows = rows[-max(1, len(rows) // 5) :]
+  fifth = max(1, len(rows) // 5)
+  rows = rows[-fifth:] if where == "last" else rows[:fifth]
   values = [row_value(r, key, num_layers) for r in rows]
   values = [v for v in values if np.isfinite(v)]
   return float(np.mean(values)) if values else float("nan")

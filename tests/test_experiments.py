@@ -149,6 +149,7 @@ def test_extract_averages_the_last_fifth_and_the_layer_halves():
   ]
   result = {"summary": {"final/acc": 0.25}, "metrics": rows}
   assert sweep.extract(result, "last:x") == 8.5  # steps 8 and 9
+  assert sweep.extract(result, "first:x") == 0.5  # steps 0 and 1
   assert sweep.extract(result, "final/acc") == 0.25
   assert np.isnan(sweep.extract(result, "nosuch"))
   assert sweep.extract(result, "last:agreement/deep") == 1.0
