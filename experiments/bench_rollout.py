@@ -54,6 +54,23 @@ GOAL = 3.0  # ours / transformers at every batch (issue 14)
 PROMPT_LEN = 16
 
 
+def model_config():
+  """The benchmark's model (the module doc); experiments/profile_decode.py profiles the same one."""
+  from trace_jax.config import ModelConfig  # noqa: PLC0415  (imported late: XLA_FLAGS first)
+
+  return ModelConfig(
+    vocab_size=1024,
+    hidden_size=256,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=32,
+    num_experts=16,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+  )
+
+
 def _args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch and XLA:CPU threads")
@@ -129,19 +146,9 @@ def main(argv=None):
   import transformers
 
   from trace_jax import hf, model, rollout
-  from trace_jax.config import ModelConfig, QuantConfig, RolloutConfig, SamplingConfig
+  from trace_jax.config import QuantConfig, RolloutConfig, SamplingConfig
 
-  config = ModelConfig(
-    vocab_size=1024,
-    hidden_size=256,
-    num_layers=4,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=32,
-    num_experts=16,
-    num_experts_per_tok=2,
-    moe_intermediate_size=128,
-  )
+  config = model_config()
 
   def ours(params, quant, dtype="bfloat16"):
     rollout_config = RolloutConfig(quant=quant, compute_dtype=dtype)

@@ -70,19 +70,10 @@ def _args(argv=None):
 
 
 def model_config():
-  from trace_jax.config import ModelConfig  # noqa: PLC0415
+  """bench_rollout.py's model."""
+  from experiments import bench_rollout  # noqa: PLC0415
 
-  return ModelConfig(
-    vocab_size=1024,
-    hidden_size=256,
-    num_layers=4,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=32,
-    num_experts=16,
-    num_experts_per_tok=2,
-    moe_intermediate_size=128,
-  )
+  return bench_rollout.model_config()
 
 
 def useful_work(config, batch: int, cache: int, fp4_weights: bool, fp4_kv: bool, block_size: int = 16) -> dict:
