@@ -738,3 +738,45 @@ def test_grouped_packed_matmul_takes_fragments():
   want = grouped_fp4_matmul.grouped_fp4_matmul_reference(x, sizes, w, out_dtype=jnp.bfloat16)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert np.all(np.asarray(got[6]) == 0) and np.any(np.asarray(got[:6]) != 0)
+
+
+@pytest.mark.parametrize("rollout_config", (FP4_FULL, FP4_FULL2), ids=("fp4", "fp4_two_level"))  # BF16: _act a no-op
+def test_fused_capacity_experts_equal_the_grouped_matmuls(params, monkeypatch, rollout_config):
+  """XLA:CPU's engine runs the routed SwiGLU in one set of capacity buckets (`rollout._capacity_experts`): the
+  logits, caches and recorded hidden codes of a prefill and a decode step are those of three `grouped_matmul`s
+  (moe's capacity buckets around each), bit for bit."""
+  assert jax.default_backend() == "cpu"
+  quant = rollout_config.quant
+  layout = rollout.expert_layout(rollout_config, CFG)
+  engine = rollout.with_expert_layout(rollout.weight_sync(params, quant), layout, jnp.bfloat16)
+  st = rollout.EngineSettings(CFG, rollout_config)
+  assert rollout._fused_capacity((engine.layers[0].mlp.gate, engine.layers[0].mlp.up, engine.layers[0].mlp.down), st)
+  b, p, total = 8, 5, 7
+  tokens = jax.random.randint(jax.random.key(2), (b, p + 1), 3, CFG.vocab_size)
+  slot_mask = jnp.ones((b, total), jnp.int32)
+
+  def run():
+    def steps(engine, tokens):
+      caches = rollout.init_cache(CFG, b, total, quant, jnp.bfloat16, decoded=layout == "values")
+      step = functools.partial(rollout.decode_step, model_config=CFG, rollout_config=rollout_config)
+      positions = jnp.broadcast_to(jnp.arange(p), (b, p))
+      prefill = step(engine, tokens[:, :p], caches, 0, positions, slot_mask)
+      decode = step(engine, tokens[:, p:], prefill[1], jnp.asarray(p), jnp.full((b, 1), p), slot_mask)
+      return prefill, decode
+
+    return jax.jit(steps)(engine, tokens)  # a fresh jit: traced with whichever path is patched in
+
+  fused = run()
+  monkeypatch.setattr(rollout, "_fused_capacity", lambda weights, st: False)
+  grouped = run()
+  leaves = jax.tree_util.tree_leaves(fused)
+  assert len(leaves) == len(jax.tree_util.tree_leaves(grouped))
+  if quant is not None:  # the hidden rows' codes are recorded, and bucket zero rows left no trace in them
+    assert fused[1][3][0][rollout.MOE_HIDDEN].codes.shape == (
+      b,
+      1,
+      CFG.num_experts_per_tok,
+      CFG.moe_intermediate_size // 2,
+    )
+  for a, c in zip(leaves, jax.tree_util.tree_leaves(grouped)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(c))

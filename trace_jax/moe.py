@@ -152,6 +152,13 @@ def _row_groups(group_sizes, rows: int):
   return row_group, rank
 
 
+def capacity_buckets(rows: int, groups: int) -> list[int]:
+  """The capacities of `_capacity_grouped_dot`'s buckets, ascending: twice the mean group size (rounded up
+  to a power of two), four times it, and the row count."""
+  twice_mean = 1 << max(2 * -(-rows // groups) - 1, 0).bit_length()  # a power of two >= 2 * the mean group
+  return sorted({min(twice_mean, rows), min(2 * twice_mean, rows), rows})
+
+
 def _capacity_grouped_dot(x, w, group_sizes, transpose_w: bool):
   """`lax.ragged_dot` as one batched matmul [G, C, K] x [G, K, N] with no weight gather, the
   capacity C picked at run time (`lax.switch`) from three static buckets: twice the mean group size
@@ -161,8 +168,7 @@ def _capacity_grouped_dot(x, w, group_sizes, transpose_w: bool):
   r, g = x.shape[0], w.shape[0]
   group_sizes = group_sizes.astype(jnp.int32)
   row_group, rank = _row_groups(group_sizes, r)
-  twice_mean = 1 << max(2 * -(-r // g) - 1, 0).bit_length()  # a power of two >= 2 * the mean group
-  buckets = sorted({min(twice_mean, r), min(2 * twice_mean, r), r})
+  buckets = capacity_buckets(r, g)
   spec = "gck,gnk->gcn" if transpose_w else "gck,gkn->gcn"
 
   def branch(c):

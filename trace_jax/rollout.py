@@ -509,6 +509,57 @@ def _experts(weights, xs, group_sizes, st: EngineSettings):
   return grouped_matmul(hq, down_w, group_sizes, impl), q_hidden
 
 
+def _fused_capacity(weights, st: EngineSettings) -> bool:
+  """Whether the routed experts run as one capacity-bucketed SwiGLU (`_capacity_experts`): the decoded
+  weights (gate and up apart) that `grouped_matmul` would send to `moe.grouped_dot`'s capacity buckets
+  (XLA:CPU's inference path), so that the tokens are scattered into the buckets once, not around each
+  of the three matmuls."""
+  gate_w, up_w, down_w = weights
+  if up_w is None or not all(isinstance(w, jax.Array) for w in weights):
+    return False
+  if (
+    gate_w.dtype == jnp.bfloat16
+    and pallas_kernels.select_impl(st.rollout.matmul_impl, "grouped_bf16_matmul", mosaic_kernel=False) != "reference"
+  ):
+    return False  # the Triton bf16 kernel (GPU)
+  return moe.grouped_dot_impl("auto", inference=True) == "capacity"
+
+
+def _capacity_experts(weights, xq, ids, st: EngineSettings):
+  """The routed SwiGLU of each (token, slot) assignment, for ids [N, k] and rows xq [N, H]: each expert's
+  rows go into a bucket [E, C, H] (C picked at run time from `moe.capacity_buckets`, so none is dropped),
+  the three batched matmuls and the hidden activation's RTN run on the buckets, and the outputs come
+  back in assignment order. Returns (out [N * k, H], hidden QuantizedArray rows [N * k, ...] | None).
+
+  The same numbers as `_experts` over `grouped_matmul` (moe's capacity buckets, row by row: each
+  output row is the same dot products, and the hidden activation's rounding is per row, a batch amax
+  unchanged by the buckets' zero rows), with one scatter and one gather in place of three of each."""
+  gate_w, up_w, down_w = weights
+  n, k = ids.shape
+  e, dt = gate_w.shape[0], st.dtype
+  flat = ids.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+  _, sorted_rank = moe._row_groups(group_sizes, n * k)
+  rank = jnp.zeros_like(sorted_rank).at[order].set(sorted_rank)  # each assignment's row in its bucket
+  rows = xq[jnp.arange(n * k) // k].astype(gate_w.dtype)
+  mm = lambda a, w: jnp.einsum("gck,gnk->gcn", a, w, preferred_element_type=jnp.float32).astype(dt)
+
+  def branch(c):
+    def run(rows, gate_w, up_w, down_w):
+      buf = jnp.zeros((e, c, rows.shape[1]), rows.dtype).at[flat, rank].set(rows, mode="drop")
+      h = (jax.nn.silu(mm(buf, gate_w).astype(jnp.float32)) * mm(buf, up_w)).astype(dt)
+      hq, q_hidden = _act(h, st.quant, "experts")
+      out = mm(hq.astype(down_w.dtype), down_w)[flat, rank]
+      return out, jax.tree_util.tree_map(lambda a: a[flat, rank], q_hidden)
+
+    return run
+
+  buckets = moe.capacity_buckets(n * k, e)
+  index = jnp.sum(jnp.asarray(buckets[:-1], jnp.int32) < jnp.max(group_sizes))
+  return jax.lax.switch(index, [branch(c) for c in buckets], rows, gate_w, up_w, down_w)
+
+
 def _moe(p: EngineMoE, x, st: EngineSettings, record: bool):
   """x [N, H] -> (out [N, H], topk ids [N, k], {name: QuantizedArray rows} if record)."""
   c, quant, dt = st.model, st.quant, st.dtype
@@ -518,7 +569,11 @@ def _moe(p: EngineMoE, x, st: EngineSettings, record: bool):
     ids, weights = route(router_logits, c, None)
   xq, q_in = _act(x, quant, "experts")
   hidden = None  # the hidden codes as [N * k] rows: slot j = the token's j-th expert
-  if st.expert_parallel is None:
+  if st.expert_parallel is None and _fused_capacity((p.gate, p.up, p.down), st):
+    with jax.named_scope("experts"):
+      y, hidden = _capacity_experts((p.gate, p.up, p.down), xq, ids, st)
+      y = y.reshape(n, k, -1)
+  elif st.expert_parallel is None:
     with jax.named_scope("dispatch"):
       flat = ids.reshape(-1)
       order = jnp.argsort(flat, stable=True)
