@@ -167,9 +167,10 @@ def hlo_parts(hlo_text: str) -> dict[str, tuple[str, str]]:
   return out
 
 
-def profile_engine(name: str, config, batch: int, cache: int, steps: int) -> dict:
-  """Compile one decode step of engine `name` ('bf16' | 'fp4'), run it `steps` times under the profiler,
-  and attribute its thunks' self time to parts and ops."""
+def decode_program(name: str, config, batch: int, cache: int):
+  """One decode step of engine `name` ('bf16' | 'fp4': NVFP4 W4A4 experts + FP4 KV) compiled for batch `batch`
+  over a cache of `cache` slots, the new token at the last slot: (compiled, its arguments, the expert layout).
+  The compiled step donates its caches: call it as `logits, caches = compiled(engine, tokens, caches, start)`."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
 
@@ -202,7 +203,15 @@ def profile_engine(name: str, config, batch: int, cache: int, steps: int) -> dic
   # the whole batch to the same k experts: the capacity grouped matmul's largest bucket)
   tokens = jax.random.randint(jax.random.key(1), (batch, 1), 0, config.vocab_size, jnp.int32)
   start = jnp.asarray(cache - 1, jnp.int32)
-  compiled = step.lower(engine, tokens, caches, start).compile()
+  return step.lower(engine, tokens, caches, start).compile(), (engine, tokens, caches, start), layout
+
+
+def profile_engine(name: str, config, batch: int, cache: int, steps: int) -> dict:
+  """Compile one decode step of engine `name` ('bf16' | 'fp4'), run it `steps` times under the profiler,
+  and attribute its thunks' self time to parts and ops."""
+  import jax  # noqa: PLC0415
+
+  compiled, (engine, tokens, caches, start), layout = decode_program(name, config, batch, cache)
   wall = []
   for i in range(steps + 1):  # timed outside the trace (the profiler slows each thunk); the first is a warm-up
     t0 = time.perf_counter()

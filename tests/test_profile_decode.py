@@ -1,11 +1,12 @@
 """experiments/profile_decode.py (issue 43): self times from nested profiler events, parts from HLO metadata,
-and the smoke run end to end (one engine)."""
+and the smoke run end to end (one engine); experiments/bench_scaling.py (built on its decode program): the
+growth check and its smoke run."""
 
 import json
 
 import pytest
 
-from experiments import profile_decode
+from experiments import bench_scaling, profile_decode
 
 
 def test_self_time_removes_the_children_and_names_the_parent():
@@ -64,3 +65,28 @@ def test_profile_smoke_attributes_the_step(tmp_path):
   assert row["by_part_s"].get("other", 0) < 0.25 * row["thunk_s"]  # the scopes cover the step
   assert json.loads(out.read_text())["engines"][0]["engine"] == "fp4"
   assert "| experts |" in (tmp_path / "p.md").read_text()
+
+
+def test_the_growth_check_tells_linear_from_quadratic():
+  slots = [80, 528, 2064]
+  linear = [0.01 + 1e-5 * s for s in slots]
+  quadratic = [0.01 + 1e-8 * s * s for s in slots]
+  assert bench_scaling.linear_check(slots, linear)["linear"] is True
+  assert bench_scaling.linear_check(slots, linear)["predicted_s"] == pytest.approx(linear[-1])
+  assert bench_scaling.linear_check(slots, quadratic)["linear"] is False
+  assert bench_scaling.linear_check(slots, [0.02, 0.01, 0.03])["linear"] is None  # noise: no rise to extrapolate
+
+
+@pytest.mark.slow
+def test_scaling_smoke_times_every_system(tmp_path):
+  files = {k: str(tmp_path / f"s.{k}") for k in ("json", "md", "png")}
+  result = bench_scaling.main(
+    ["--smoke", "--batches", "2", "--lengths", "4,8,16", *[f"--{k}={v}" for k, v in files.items()]]
+  )
+  timed = [r for r in result["rows"] if "step_s" in r]
+  assert len(timed) == 3 * 3 and all(r["tokens_per_s"] > 0 for r in timed)
+  assert {r["slots"] for r in timed if r["system"] == "ours fp4"} == {16 + 4, 16 + 8, 16 + 16}
+  assert {r["slots"] for r in timed if r["system"] == "transformers float32"} == {16 + 2, 16 + 4, 16 + 8}
+  assert len(result["growth"]) == 3
+  assert json.loads((tmp_path / "s.json").read_text())["rows"] == result["rows"]
+  assert "| 16 | 2 |" in (tmp_path / "s.md").read_text() and (tmp_path / "s.png").stat().st_size > 0
