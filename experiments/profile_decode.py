@@ -184,7 +184,10 @@ def decode_program(name: str, config, batch: int, cache: int):
   engine = rollout.with_expert_layout(
     rollout.weight_sync(params, quant, jnp.dtype("bfloat16"), expert_layout=layout), layout, jnp.bfloat16
   )
-  caches = rollout.init_cache(config, batch, cache, quant, jnp.bfloat16, decoded=layout == "values")
+  packed = rollout.kv_code_layers(rollout_config, config)  # as `generate` holds them (no codes read back here)
+  caches = rollout.init_cache(
+    config, batch, cache, quant, jnp.bfloat16, decoded=layout == "values", packed_layers=packed
+  )
   caches = jax.tree_util.tree_map(jnp.copy, caches)  # init_cache shares its zero buffers; the step donates them
   step = jax.jit(
     lambda e, tokens, caches, start: rollout.decode_step(

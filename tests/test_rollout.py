@@ -780,3 +780,33 @@ def test_fused_capacity_experts_equal_the_grouped_matmuls(params, monkeypatch, r
     )
   for a, c in zip(leaves, jax.tree_util.tree_leaves(grouped)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
+def test_a_cache_without_codes_holds_the_same_fp4_values(params):
+  """Layers whose K/V codes nothing reads back (`rollout.kv_code_layers`: no diagnostics, no K/V guidance) hold
+  the decoded FP4 values only: a prefill and a decode step give the same logits and values as the cache that
+  also keeps the codes, and generate keeps the codes exactly where guidance or diagnostics read them."""
+  assert rollout.kv_code_layers(FP4_FULL, CFG) == tuple(range(L))  # record_codes
+  plain = dataclasses.replace(FP4_COMPACT, record_codes=False)
+  assert rollout.kv_code_layers(plain, CFG) == (tuple(plain.guided_layers) if KEY in plain.guided_tensors else ())
+  no_kv = dataclasses.replace(plain, guided_tensors=(MOE_INPUT,))
+  assert rollout.kv_code_layers(no_kv, CFG) == ()
+  engine = rollout.with_expert_layout(rollout.weight_sync(params, QUANT), "values", jnp.bfloat16)
+  b, p, total = 4, 5, 7
+  tokens = jax.random.randint(jax.random.key(3), (b, p + 1), 3, CFG.vocab_size)
+  slot_mask = jnp.ones((b, total), jnp.int32)
+  rc = RolloutConfig(quant=QUANT)
+
+  @functools.partial(jax.jit, static_argnames="packed")
+  def steps(engine, tokens, packed):
+    caches = rollout.init_cache(CFG, b, total, QUANT, jnp.bfloat16, decoded=True, packed_layers=packed)
+    step = functools.partial(rollout.decode_step, model_config=CFG, rollout_config=rc)
+    logits0, caches, _, _ = step(engine, tokens[:, :p], caches, 0, jnp.broadcast_to(jnp.arange(p), (b, p)), slot_mask)
+    logits1, caches, _, _ = step(engine, tokens[:, p:], caches, jnp.asarray(p), jnp.full((b, 1), p), slot_mask)
+    return logits0, logits1, [(c.k_values, c.v_values) for c in caches], [c.k is None for c in caches]
+
+  *with_codes, has_none = steps(engine, tokens, None)
+  *without, none = steps(engine, tokens, (1,))
+  assert not any(has_none) and none == [True, False, True, True]
+  for a, c in zip(jax.tree_util.tree_leaves(with_codes), jax.tree_util.tree_leaves(without)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(c))

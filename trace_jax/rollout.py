@@ -271,18 +271,38 @@ class KVCache:
 
 
 def init_cache(
-  config: ModelConfig, batch: int, length: int, quant: QuantConfig | None, dtype, decoded: bool = True
+  config: ModelConfig,
+  batch: int,
+  length: int,
+  quant: QuantConfig | None,
+  dtype,
+  decoded: bool = True,
+  packed_layers=None,
 ) -> tuple[KVCache | DeltaNetState, ...]:
   """Empty caches for every layer: a KVCache for full attention, a DeltaNetState (conv history and
   fp32 recurrent state) for a Gated DeltaNet layer. dtype: the engine's compute dtype; the K/V values
   are held in its carrier (`carrier_dtype`). decoded=False keeps an FP4 cache packed only (attention
-  decodes it at every step)."""
-  caches = _kv_caches(config, batch, length, quant, dtype, decoded)
+  decodes it at every step). packed_layers (with decoded): the layers whose FP4 cache also keeps its
+  packed codes, for the guidance or the diagnostics that read them (`kv_code_layers`); the others hold
+  the FP4 values only (the same numbers, without writing the codes). None: every FP4 layer."""
+  caches = _kv_caches(config, batch, length, quant, dtype, decoded, packed_layers)
   state = deltanet.init_state(config, batch, dtype) if config.linear_layers else None
   return tuple(state if i in config.linear_layers else cache for i, cache in enumerate(caches))
 
 
-def _kv_caches(config: ModelConfig, batch: int, length: int, quant: QuantConfig | None, dtype, decoded: bool):
+def kv_code_layers(rollout_config: RolloutConfig, model_config: ModelConfig) -> tuple[int, ...]:
+  """The layers whose packed K/V codes `generate` reads back: every layer with record_codes (the
+  diagnostics), else the guided layers when the guidance names K or V."""
+  if rollout_config.record_codes:
+    return tuple(range(model_config.num_layers))
+  if not {KEY, VALUE} & set(rollout_config.guided_tensors):
+    return ()
+  return tuple(rollout_config.guided_layers)
+
+
+def _kv_caches(
+  config: ModelConfig, batch: int, length: int, quant: QuantConfig | None, dtype, decoded: bool, packed_layers=None
+):
   """One KVCache a layer: packed FP4 (+ decoded values unless not `decoded`) where the layer's KV is FP4,
   else values only (BF16, or FP8 values rounded as they are written: `_cache_update`)."""
   dtype = carrier_dtype(dtype)
@@ -299,7 +319,9 @@ def _kv_caches(config: ModelConfig, batch: int, length: int, quant: QuantConfig 
   )
   bf16 = quant.bf16_layer_set(config.num_layers)
   fp4_cache = KVCache(packed, packed, values if decoded else None, values if decoded else None)
-  return tuple(KVCache(None, None, values, values) if i in bf16 else fp4_cache for i in range(config.num_layers))
+  values_only = KVCache(None, None, values, values)  # BF16 values, or (decoded, codes unread) FP4 values
+  unpacked = set() if not decoded or packed_layers is None else set(range(config.num_layers)) - set(packed_layers)
+  return tuple(values_only if i in bf16 or i in unpacked else fp4_cache for i in range(config.num_layers))
 
 
 def _write(buffer, value, start):
@@ -774,7 +796,15 @@ def generate(
 
   layout = expert_layout(rollout_config, model_config)
   params = with_expert_layout(params, layout, st.dtype)  # a no-op when weight sync gave this layout
-  caches = init_cache(model_config, b, total, rollout_config.quant, st.dtype, decoded=layout == "values")
+  caches = init_cache(
+    model_config,
+    b,
+    total,
+    rollout_config.quant,
+    st.dtype,
+    decoded=layout == "values",
+    packed_layers=kv_code_layers(rollout_config, model_config),
+  )
   buffers = _record_buffers(st, b, total)
   topk_buf = tuple(
     jnp.zeros((b, total, model_config.num_experts_per_tok), jnp.int32) if model_config.is_moe_layer(i) else None
