@@ -259,14 +259,16 @@ class KVCache:
   """One layer's cache.
 
   k / v: the FP4 cache, packed codes + scales per token and head [B, T, KV, D / 2] (None for a
-  bf16 cache). k_values / v_values: values [B, KV, T, D] in the layout attention reads, in the
+  bf16 cache). k_values [B, KV, D, T] / v_values [B, KV, T, D]: values in the layouts attention's two
+  matmuls read (keys with the slots last: XLA:CPU runs q . K^T over [T, D] keys about 9x slower than over
+  [D, T] ones once the cache outgrows the processor's caches, docs/performance.md), in the
   engine's carrier dtype: the bf16 cache, or the FP4 cache decoded once slot by slot (None when
   attention decodes the packed cache at every step, the path of backends with FP4 arithmetic).
   """
 
   k: fp4.QuantizedArray | None = param_field("batch", "cache_sequence", "kv_heads", "head_dim", default=None)
   v: fp4.QuantizedArray | None = param_field("batch", "cache_sequence", "kv_heads", "head_dim", default=None)
-  k_values: jax.Array | None = param_field("batch", "kv_heads", "cache_sequence", "head_dim", default=None)
+  k_values: jax.Array | None = param_field("batch", "kv_heads", "head_dim", "cache_sequence", default=None)
   v_values: jax.Array | None = param_field("batch", "kv_heads", "cache_sequence", "head_dim", default=None)
 
 
@@ -306,9 +308,10 @@ def _kv_caches(
   """One KVCache a layer: packed FP4 (+ decoded values unless not `decoded`) where the layer's KV is FP4,
   else values only (BF16, or FP8 values rounded as they are written: `_cache_update`)."""
   dtype = carrier_dtype(dtype)
+  keys = jnp.zeros((batch, config.num_kv_heads, config.head_dim, length), dtype)
   values = jnp.zeros((batch, config.num_kv_heads, length, config.head_dim), dtype)
   if quant is None or not quant.fp4_kv:
-    return tuple(KVCache(None, None, values, values) for _ in range(config.num_layers))
+    return tuple(KVCache(None, None, keys, values) for _ in range(config.num_layers))
   shape = (batch, length, config.num_kv_heads, config.head_dim)
   fmt = quant.format
   packed = fp4.QuantizedArray(
@@ -318,8 +321,8 @@ def _kv_caches(
     fmt,
   )
   bf16 = quant.bf16_layer_set(config.num_layers)
-  fp4_cache = KVCache(packed, packed, values if decoded else None, values if decoded else None)
-  values_only = KVCache(None, None, values, values)  # BF16 values, or (decoded, codes unread) FP4 values
+  fp4_cache = KVCache(packed, packed, keys if decoded else None, values if decoded else None)
+  values_only = KVCache(None, None, keys, values)  # BF16 values, or (decoded, codes unread) FP4 values
   unpacked = set() if not decoded or packed_layers is None else set(range(config.num_layers)) - set(packed_layers)
   return tuple(values_only if i in bf16 or i in unpacked else fp4_cache for i in range(config.num_layers))
 
@@ -384,18 +387,28 @@ def _carry(x: jax.Array, dtype) -> jax.Array:
 
 
 def _cache_update(cache: KVCache, k, v, start, st: EngineSettings):
-  """Write new K/V [B, S, KV, D] at slot `start`; returns (cache, keys, values [B, KV, T, D])."""
+  """Write new K/V [B, S, KV, D] at slot `start`; returns (cache, keys [B, KV, D, T], values [B, KV, T, D]).
+
+  An FP4 cache's new slots are RTN-quantized online, as engines do; their values are taken from the codes
+  before packing (`fp4.quantize_with_values`, bit-identical to decoding the packed slots), and the packed
+  codes are written only where the cache keeps them (`kv_code_layers`)."""
   carrier = st.carrier
-  if cache.k is not None:  # FP4: RTN codes + scales, as engines quantize K/V online
-    k, v = _store(k, st.quant), _store(v, st.quant)
-    cache = dataclasses.replace(cache, k=_write(cache.k, k, start), v=_write(cache.v, v, start))
+  if st.quant is not None and st.quant.fp4_kv:
+    (k_q, k), (v_q, v) = _quantize_online(k, st.quant, st.dtype), _quantize_online(v, st.quant, st.dtype)
+    if cache.k is not None:
+      cache = dataclasses.replace(cache, k=_write(cache.k, k_q, start), v=_write(cache.v, v_q, start))
     if cache.k_values is None:  # decode the whole cache where attention reads it
-      return cache, *(_carry(jnp.swapaxes(_load(c, st.dtype), 1, 2), carrier) for c in (cache.k, cache.v))
+      keys = _carry(jnp.transpose(_load(cache.k, st.dtype), (0, 2, 3, 1)), carrier)
+      return cache, keys, _carry(jnp.swapaxes(_load(cache.v, st.dtype), 1, 2), carrier)
   else:  # BF16 as it is, or FP8 E4M3 values
     k, v = _store(k, st.quant), _store(v, st.quant)
-  slot = lambda a, dtype: _carry(jnp.swapaxes(_load(a, st.dtype), 1, 2), dtype)  # the new slots' values, once
-  write = lambda buffer, a: jax.lax.dynamic_update_slice_in_dim(buffer, slot(a, buffer.dtype), start, axis=2)
-  cache = dataclasses.replace(cache, k_values=write(cache.k_values, k), v_values=write(cache.v_values, v))
+  # the new slots' values, once: keys as [B, KV, D, S], values as [B, KV, S, D]
+  write = lambda buffer, a, axes: jax.lax.dynamic_update_slice_in_dim(
+    buffer, _carry(jnp.transpose(a, axes), buffer.dtype), start, axis=axes.index(1)
+  )
+  cache = dataclasses.replace(
+    cache, k_values=write(cache.k_values, k, (0, 2, 3, 1)), v_values=write(cache.v_values, v, (0, 2, 1, 3))
+  )
   return cache, cache.k_values, cache.v_values
 
 
@@ -470,26 +483,26 @@ def _attention(p, x, cache: KVCache, start, positions, slot_mask, st: EngineSett
     cos, sin = attention.rope_tables(positions, c.rotary_dim, c.rope_theta, dtype=dt)
     q, k = attention.apply_rope(q, cos, sin), attention.apply_rope(k, cos, sin)
   with jax.named_scope("kv_cache"):
-    cache, keys, values = _cache_update(cache, k, v, start, st)  # keys, values [B, KV, T, D]
+    cache, keys, values = _cache_update(cache, k, v, start, st)  # keys [B, KV, D, T], values [B, KV, T, D]
   # Prefill (a static start): the slots past start + S are masked, so they are not read. The f32 scores
   # [B, KV, G*S, T] of batch 256, 32 heads, prompt 512 are 8.6 GB a layer so, 25.8 GB over a cache of 1536.
   if isinstance(start, int):
-    keys, values = keys[:, :, : start + s], values[:, :, : start + s]
+    keys, values = keys[..., : start + s], values[:, :, : start + s]
   return _attend(p, xa, q, keys, values, start, slot_mask, st), cache
 
 
 def _attend(p, xa, q, keys, values, start, slot_mask, st: EngineSettings):
-  """Queries [B, S, N, D] over the cache's keys and values [B, KV, T, D] (slots past a query's own masked),
-  then the output projection: [B, S, H]."""
+  """Queries [B, S, N, D] over the cache's keys [B, KV, D, T] and values [B, KV, T, D] (slots past a query's
+  own masked), then the output projection: [B, S, H]."""
   c, quant, dt = st.model, st.quant, st.dtype
   b, s = q.shape[:2]
-  t = keys.shape[2]
+  t = values.shape[2]
   groups = c.num_heads // c.num_kv_heads
   with jax.named_scope("scores"):
     # queries [B, KV, groups * S, D]: batch axes first, as the matmuls want them
     qg = q.reshape(b, s, c.num_kv_heads, groups, c.head_dim).transpose(0, 2, 3, 1, 4)
     qg = _carry(qg.reshape(b, c.num_kv_heads, groups * s, c.head_dim), keys.dtype)
-    scores = jnp.einsum("bkqd,bktd->bkqt", qg, keys, preferred_element_type=jnp.float32) * (c.head_dim**-0.5)
+    scores = jnp.einsum("bkqd,bkdt->bkqt", qg, keys, preferred_element_type=jnp.float32) * (c.head_dim**-0.5)
     query_slot = jnp.tile(start + jnp.arange(s), groups)  # [groups * S], group-major
     allowed = (jnp.arange(t)[None, :] <= query_slot[:, None])[None] & slot_mask[:, None, :t].astype(bool)
     scores = jnp.where(allowed[:, None], scores, attention.NEG_INF)
