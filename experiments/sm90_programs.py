@@ -56,16 +56,9 @@ TRAIN_LAYERS, TRAIN_BATCH = 2, 8  # rollout_scale: the train step's depth and ro
 FALLBACK_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
-def _compile(fn, *args, fallback_seen: dict | None = None, label: str = "", **static) -> tuple[object, dict]:
-  """(compiled, figures): compile time, memory, and the options and first error where the fallback was needed.
-  fallback_seen: shared by programs of one kind (a shape's train steps); once one of them needed the fallback,
-  the next ones are compiled with it straight away (a failed attempt costs most of a compile), their rows
-  naming the program whose error it was."""
+def _compile(fn, *args, **static) -> tuple[object, dict]:
+  """(compiled, figures): compile time, memory, and the options and first error where the fallback was needed."""
   t0, extra = time.perf_counter(), {}
-  if fallback_seen:
-    extra = dict(compiler_options=FALLBACK_OPTIONS, default_options_error=f"as {fallback_seen['program']}'s")
-    compiled = gpu_compile.compile_sm90(fn, *args, compiler_options=FALLBACK_OPTIONS, **static)
-    return compiled, dict(compile_s=round(time.perf_counter() - t0, 1), **gpu_compile.memory_figures(compiled), **extra)
   try:
     compiled = gpu_compile.compile_sm90(fn, *args, **static)
   except jax.errors.JaxRuntimeError as e:
@@ -73,8 +66,6 @@ def _compile(fn, *args, fallback_seen: dict | None = None, label: str = "", **st
       raise
     extra = dict(compiler_options=FALLBACK_OPTIONS, default_options_error=str(e).splitlines()[0][:300])
     compiled = gpu_compile.compile_sm90(fn, *args, compiler_options=FALLBACK_OPTIONS, **static)
-    if fallback_seen is not None:
-      fallback_seen["program"] = label
   return compiled, dict(compile_s=round(time.perf_counter() - t0, 1), **gpu_compile.memory_figures(compiled), **extra)
 
 
@@ -103,12 +94,10 @@ def _expert_kernel(hlo: str) -> str:
   return "none"
 
 
-def compile_train_step(run: config_lib.RunConfig, batch: int, seq: int, fallback_seen: dict | None = None) -> dict:
+def compile_train_step(run: config_lib.RunConfig, batch: int, seq: int) -> dict:
   """The mode's RL train step (trainer.make_rl_step, first update) on `batch` rollouts of `seq` tokens."""
   optimizer, state, train_batch = aot_compile.train_step_inputs(run, batch, seq)
-  step = trainer.make_rl_step(run, optimizer)
-  label = f"{run.mode.name} rl_train_step"
-  return _compile(step, state, train_batch, fallback_seen=fallback_seen, label=label, first=True)[1]
+  return _compile(trainer.make_rl_step(run, optimizer), state, train_batch, first=True)[1]
 
 
 def _fit(rows: list[dict], layers: int) -> dict:
@@ -135,9 +124,8 @@ def programs(shape: str, log=print) -> list[dict]:
       row = compile_generate(base.model, runs[system].mode.rollout, base.sampling, batch, prompt)
       add(dict(program="generate", system=system, layers=base.model.num_layers, batch=batch, prompt=prompt,
                new_tokens=new, **row))  # fmt: skip
-    seen = {}
     for mode, run in runs.items():
-      row = compile_train_step(run, batch, prompt + new - 1, seen)
+      row = compile_train_step(run, batch, prompt + new - 1)
       add(dict(program="rl_train_step", system=mode, layers=run.model.num_layers, batch=batch, seq=prompt + new - 1,
                **row))  # fmt: skip
     return rows
@@ -151,10 +139,9 @@ def programs(shape: str, log=print) -> list[dict]:
       add(fitted[-1])
     full = bench_rollout_scale.LAYERS
     add(dict(fitted[-1], layers=full, compile_s=None, fitted_from=list(ENGINE_DEPTHS), **_fit(fitted, full)))
-  seen = {}
   for mode in config_lib.MODES:
     run = aot_compile.run_config(bench_rollout_scale.scale_config(TRAIN_LAYERS), n, mode)
-    row = compile_train_step(run, TRAIN_BATCH, p + n - 1, seen)
+    row = compile_train_step(run, TRAIN_BATCH, p + n - 1)
     add(dict(program="rl_train_step", system=mode, layers=TRAIN_LAYERS, batch=TRAIN_BATCH, seq=p + n - 1, **row))
   return rows
 
