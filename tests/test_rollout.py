@@ -803,10 +803,15 @@ def test_a_cache_without_codes_holds_the_same_fp4_values(params):
     step = functools.partial(rollout.decode_step, model_config=CFG, rollout_config=rc)
     logits0, caches, _, _ = step(engine, tokens[:, :p], caches, 0, jnp.broadcast_to(jnp.arange(p), (b, p)), slot_mask)
     logits1, caches, _, _ = step(engine, tokens[:, p:], caches, jnp.asarray(p), jnp.full((b, 1), p), slot_mask)
-    return logits0, logits1, [(c.k_values, c.v_values) for c in caches], [c.k is None for c in caches]
+    values = [(c.k_values, c.v_values) for c in caches]
+    return logits0, logits1, values, [c.k is None for c in caches], [(c.k, c.v) for c in caches]
 
-  *with_codes, has_none = steps(engine, tokens, None)
-  *without, none = steps(engine, tokens, (1,))
+  *with_codes, has_none, codes = steps(engine, tokens, None)
+  *without, none, _ = steps(engine, tokens, (1,))
   assert not any(has_none) and none == [True, False, True, True]
+  for (k_codes, v_codes), (k_values, v_values) in zip(codes, with_codes[2]):  # the values are the codes' values
+    decode = lambda q: np.asarray(rollout._carry(fp4.dequantize(q, jnp.bfloat16), jnp.float32))  # [B, T, KV, D]
+    np.testing.assert_array_equal(decode(k_codes), np.asarray(k_values).transpose(0, 3, 1, 2))
+    np.testing.assert_array_equal(decode(v_codes), np.asarray(v_values).transpose(0, 2, 1, 3))
   for a, c in zip(jax.tree_util.tree_leaves(with_codes), jax.tree_util.tree_leaves(without)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
