@@ -46,6 +46,7 @@ REGIME = {
   "reward.partial_credit": True,
   "sft.steps": 250,
   "eval_every": 100,
+  "trace.diagnostics_every": 1,  # agreement on every step, as the committed runs measured it
 }
 # Trust-region masking (arXiv 2512.23075) on the largest token divergence; chosen a priori, not tuned here.
 QAT_CORRECTION = {"rl.trust_region": "max", "rl.trust_region_delta": 0.1}

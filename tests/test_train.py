@@ -437,6 +437,25 @@ def test_guidance_metric_keys(data_dir, diagnostics, routing_replay):
   assert {k for k in metrics if k.startswith("guidance/")} == want
 
 
+def test_diagnostics_every(data_dir, tmp_path, no_eval):
+  """trace.diagnostics_every=2 over 3 steps: the engine records the full codes on the first step and the last
+  (codeword agreement and scale-floor shares measured), not on the one between (agreement NaN, no floor
+  shares), while the guidance and the mantissa-bit agreement of the guided layer are there on every step."""
+  cfg = tiny_config(data_dir, steps=3, **{"sft.steps": 0, "trace.diagnostics_every": 2, "eval_every": 0})
+  run = train.run_config(cfg)
+  assert [train.diagnostic_step(run, s) for s in range(3)] == [True, False, True]
+  train.train_and_evaluate(cfg, str(tmp_path))
+  rows = read_metrics(str(tmp_path))
+  assert [row["step"] for row in rows] == [1, 2, 3]
+  for row, diagnosed in zip(rows, (True, False, True)):
+    assert ("quant/scale_floor_frac/moe_input/layer0" in row) == diagnosed, row["step"]
+    assert np.isfinite(row["agreement/moe_hidden/layer0"]) == diagnosed, row["step"]
+    assert row["bit_agreement/moe_input/layer1"] >= 0.999  # guided: the rollout's bits, whatever the step
+    assert row["guidance/bytes_per_token"] > 0
+  with pytest.raises(ConfigError, match="trace.diagnostics_every"):
+    train.run_config(tiny_config(data_dir, **{"trace.diagnostics_every": 0}))
+
+
 # --- determinism and resume -----------------------------------------------------------------
 
 

@@ -29,6 +29,9 @@ TINY = {
   "eval_prompts": 8,
   "data.num_train": 500,
   "data.num_test": 50,
+  # the agreement diagnostics on every step: one engine and one trainer program per mode (the default
+  # cadence compiles a second pair; test_diagnostics_every covers it)
+  "trace.diagnostics_every": 1,
 }
 
 

@@ -327,15 +327,21 @@ class TraceConfig:
   was measured to keep most of what all four give for a third of the bytes on Qwen3-30B-A3B
   (docs/method.md, "Guided tensors"); the paper's accounting is the experts' input alone.
   diagnostics: the FP4 engine also records full codes in every layer, so that per-layer
-  codeword agreement is measured in every mode (costs rollout memory, not guidance).
+  codeword agreement is measured in every mode (costs rollout memory and time, not guidance).
+  diagnostics_every: on which GRPO steps: the first, every n-th after it and the last (0-based
+  step % n == 0, or the last). The other steps run the engine without the full codes: recording
+  them cost qat and trace about a fifth of their GRPO step on CPU (docs/performance.md). The first
+  step with and the first without compile their own programs. 1: every step.
   """
 
   guided_fraction: float = 0.5
   guidance_form: str = "mantissa_scale"
   tensors: tuple[str, ...] = (MOE_INPUT, KEY, VALUE)
   diagnostics: bool = True
+  diagnostics_every: int = 10
 
   def __post_init__(self):
+    _at_least(self, "trace.", diagnostics_every=(1, "1 = every step"))
     if not 0 <= self.guided_fraction <= 1:
       _fail("trace.guided_fraction", f"must lie in [0, 1], got {self.guided_fraction}.")
     if self.guidance_form not in GUIDANCE_FORMS:

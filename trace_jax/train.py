@@ -203,6 +203,12 @@ def evaluate(params, run: RunConfig, quant: QuantConfig | None, tokenizer, sourc
   return float(np.mean(data.batch_rewards(b.answers, responses, tokenizer, correct_only(run))))
 
 
+def diagnostic_step(run: RunConfig, step: int) -> bool:
+  """Whether GRPO step `step` (from 0) records the agreement diagnostics' full codes: the first,
+  every trace.diagnostics_every-th after it, and the run's last."""
+  return run.trace.diagnostics and (step % run.trace.diagnostics_every == 0 or step + 1 == run.job.steps)
+
+
 @dataclasses.dataclass(frozen=True)
 class RLStep:
   """One GRPO step, `state, metrics = rl_step(step, state, prompts)`: what every step reuses.
@@ -301,9 +307,13 @@ class RLStep:
   def rollout(self, step: int, params, prompts: data.PromptBatch):
     """The engine's half: weight sync, then G samples per prompt on the rollout mesh.
 
+    The engine records the full codes of the agreement diagnostics on `diagnostic_step`s only.
     Returns (RolloutResult on the rollout mesh, metrics: the bytes that crossed meshes, the time).
     """
     run, topology, G = self.run, self.topology, self.run.grpo.num_generations
+    engine_config = run.mode.rollout
+    if engine_config.record_codes and not diagnostic_step(run, step):
+      engine_config = dataclasses.replace(engine_config, record_codes=False)
     host = (np.repeat(prompts.tokens, G, axis=0), np.repeat(prompts.mask, G, axis=0))
     prompt_tokens, prompt_mask = sharding.host_to_global(host, sharding.batch_shardings(host, topology.rollout))
     t0 = time.perf_counter()
@@ -315,7 +325,7 @@ class RLStep:
       jax.random.fold_in(self.rollout_key, step),
       None,
       model_config=run.model,
-      rollout_config=run.mode.rollout,
+      rollout_config=engine_config,
       sampling=run.sampling,
       expert_parallel=topology.rollout_expert_parallel,
     )
