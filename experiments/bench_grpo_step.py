@@ -35,7 +35,9 @@ machine, CPU time does not.
                 reference log-probs, the update (the mode's QAT forward with routing replay, GRPO
                 loss with TIS and KL, backward, AdamW) and every metric as a host float. The mode's
                 defaults hold otherwise: TIS cap 5, routing replay (R3), `trace.diagnostics` (full
-                FP4 codes recorded in every layer, for the agreement metrics), the trainer in bf16.
+                FP4 codes recorded in every layer, for the agreement metrics, on every
+                `trace.diagnostics_every`-th step: 10; the table's "run" column weighs the steps
+                with and without them 1 : 9, and the goals are judged on it), the trainer in bf16.
                 Split from the step's metrics: `time/rollout_s` (weight sync + generate),
                 `time/train_s` (the update, and the reference log-probs too: RLStep.learn
                 dispatches that forward asynchronously just before its timer starts, and the
